@@ -1,0 +1,1 @@
+"""Clusters the suites run against: local Ray processes now, Docker Compose next."""

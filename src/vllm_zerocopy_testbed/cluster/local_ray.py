@@ -1,0 +1,200 @@
+"""Ray nodes as local processes on 127.0.0.x: the cluster for machines without Docker.
+
+Each node is one ``ray start --block`` in its own session, so stopping a node
+signals exactly the process group we started (never ``ray stop``, which stops
+every Ray on the machine). Every node gets its own address (127.0.0.1 is
+rewritten by Ray to the eth0 address) and its own port range.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterStartError(RuntimeError):
+    """A cluster did not come up within its bound; the message carries the logs' tail."""
+
+
+@dataclass(frozen=True)
+class RayNodeSpec:
+    """One Ray node: its loopback address and the resources it advertises."""
+
+    ip: str
+    num_cpus: int = 1
+    resources: Mapping[str, float] = field(default_factory=dict)
+
+
+def _ports(index: int) -> dict[str, int]:
+    """Return a fixed, per-node block of ports (base 24000 + 1000 per node)."""
+    base = 24000 + 1000 * index
+    return {
+        "--node-manager-port": base + 1,
+        "--object-manager-port": base + 2,
+        "--runtime-env-agent-port": base + 3,
+        "--dashboard-agent-grpc-port": base + 4,
+        "--dashboard-agent-listen-port": base + 5,
+        "--metrics-export-port": base + 6,
+        "--min-worker-port": base + 100,
+        "--max-worker-port": base + 999,
+    }
+
+
+_HEAD_PORT = 23999
+_CLIENT_SERVER_PORT = 23998
+
+
+class LocalRayCluster:
+    """Start Ray nodes as local processes; a context manager that always stops them."""
+
+    def __init__(
+        self,
+        nodes: list[RayNodeSpec],
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = 90.0,
+    ) -> None:
+        if not nodes:
+            raise ValueError("a cluster needs at least one node")
+        for node in nodes:
+            if node.ip == "127.0.0.1":
+                raise ValueError("use 127.0.0.2+ for local nodes: Ray rewrites 127.0.0.1 to eth0")
+        self.nodes = nodes
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self.start_timeout = start_timeout
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Path] = []
+        self._workdir: Path | None = None
+        self._shm = ShmSnapshot()
+
+    @property
+    def address(self) -> str:
+        return f"{self.nodes[0].ip}:{_HEAD_PORT}"
+
+    def __enter__(self) -> "LocalRayCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every node and wait (bounded) until all are alive."""
+        self._shm = ShmSnapshot.take()
+        # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
+        self._workdir = Path(tempfile.mkdtemp(prefix="rtb", dir="/tmp"))
+        try:
+            for index, node in enumerate(self.nodes):
+                self._start_node(index, node)
+            self.wait_for_nodes(len(self.nodes), self.start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_node(self, index: int, node: RayNodeSpec) -> None:
+        assert self._workdir is not None
+        ray = str(Path(sys.executable).with_name("ray"))
+        cmd = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={node.ip}"]
+        cmd += [f"--num-cpus={node.num_cpus}", f"--resources={json.dumps(dict(node.resources))}"]
+        cmd += [f"{flag}={port}" for flag, port in _ports(index).items()]
+        if index == 0:
+            cmd += ["--head", f"--port={_HEAD_PORT}", "--include-dashboard=false"]
+            cmd += [f"--ray-client-server-port={_CLIENT_SERVER_PORT}"]
+            cmd += [f"--temp-dir={self._workdir / 'ray'}"]
+        else:
+            cmd += [f"--address={self.address}"]
+        log = self._workdir / f"node{index}.log"
+        self._logs.append(log)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        self._procs.append(proc)
+        logger.info("ray node %d on %s: pid %d", index, node.ip, proc.pid)
+
+    def alive_nodes(self) -> int:
+        """Return how many nodes the head's GCS reports alive (0 if it does not answer)."""
+        probe = (
+            "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
+            "print(sum(1 for n in ray.nodes() if n['Alive']))"
+        )
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", probe, self.address],
+                env=self.env,
+                capture_output=True,
+                timeout=30,
+                text=True,
+            )
+        except subprocess.TimeoutExpired:
+            return 0
+        lines = out.stdout.strip().splitlines()
+        return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def wait_for_nodes(self, count: int, timeout: float) -> None:
+        """Wait until ``count`` nodes are alive; raise with the nodes' logs after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [p.pid for p in self._procs if p.poll() is not None]
+            if dead:
+                raise ClusterStartError(f"ray node process(es) {dead} exited\n{self.logs_tail()}")
+            if self.alive_nodes() >= count:
+                return
+            time.sleep(1.0)
+        raise ClusterStartError(f"{count} Ray nodes not alive after {timeout} s\n{self.logs_tail()}")
+
+    def logs_tail(self, lines: int = 30) -> str:
+        parts = []
+        for log in self._logs:
+            text = log.read_text(errors="replace").splitlines() if log.exists() else []
+            parts.append(f"--- {log.name} ---\n" + "\n".join(text[-lines:]))
+        return "\n".join(parts)
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL every process of node ``index`` (a nemesis)."""
+        proc = self._procs[index]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop every node we started (by process group), then remove our files."""
+        # SIGTERM to the `ray start --block` leader only: it stops its children
+        # in ~3 s, while a group-wide SIGTERM is ignored by gcs_server and others.
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in reversed(self._procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # The group outlives its leader when Ray's children linger.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logger.warning("ray node pid %d did not exit after SIGKILL", proc.pid)
+        self._procs.clear()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        self._shm.remove_new()

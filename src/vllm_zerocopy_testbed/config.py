@@ -1,0 +1,83 @@
+"""The testbed's configuration: every environment variable is read here, once."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the valid values."""
+
+
+class PatchMode(str, enum.Enum):
+    """How one zero-copy path behaves in a process."""
+
+    UPSTREAM = "upstream"  # the installed vLLM, untouched
+    OFF = "off"  # the behaviour before the upstream fix
+    TESTBED = "testbed"  # this project's implementation
+
+    @classmethod
+    def parse(cls, value: str, *, variable: str) -> "PatchMode":
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ConfigError(
+                f"{variable}={value!r} is not a patch mode; use one of: {valid}"
+            ) from None
+
+
+class CommunicatorChoice(str, enum.Enum):
+    """Which CPU device communicator the platform plugin hands to vLLM."""
+
+    HOST_AWARE = "host-aware"  # shared memory only when all ranks share /dev/shm
+    STOCK = "stock"  # vLLM's CpuCommunicator as installed
+
+
+BROADCAST_ENV = "TESTBED_BROADCAST"
+DETACH_ENV = "TESTBED_DETACH"
+COMMUNICATOR_ENV = "TESTBED_CPU_COMMUNICATOR"
+PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
+# Ray resource name the CPU platform asks for per worker. `HPU` serves both the
+# V2 executor and the compiled-graph executor: Ray's compiled graphs treat a
+# `GPU` resource as CUDA and fail on CPU (see docs/cpu-platform.md).
+RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    """Settings of one process, read from its environment."""
+
+    broadcast: PatchMode = PatchMode.TESTBED
+    detach: PatchMode = PatchMode.TESTBED
+    communicator: CommunicatorChoice = CommunicatorChoice.HOST_AWARE
+    cpu_platform: bool = True
+    ray_device_key: str = "HPU"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
+        env = os.environ if env is None else env
+        comm_raw = env.get(COMMUNICATOR_ENV, CommunicatorChoice.HOST_AWARE.value)
+        try:
+            communicator = CommunicatorChoice(comm_raw.strip().lower())
+        except ValueError:
+            valid = ", ".join(c.value for c in CommunicatorChoice)
+            raise ConfigError(
+                f"{COMMUNICATOR_ENV}={comm_raw!r} is invalid; use one of: {valid}"
+            ) from None
+        platform_raw = env.get(PLATFORM_ENV, "on").strip().lower()
+        if platform_raw not in ("on", "off"):
+            raise ConfigError(f"{PLATFORM_ENV}={platform_raw!r} is invalid; use on or off")
+        key = env.get(RAY_DEVICE_KEY_ENV, "HPU").strip()
+        if key not in ("HPU", "GPU"):
+            raise ConfigError(f"{RAY_DEVICE_KEY_ENV}={key!r} is invalid; use HPU or GPU")
+        return cls(
+            broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),
+            detach=PatchMode.parse(env.get(DETACH_ENV, "testbed"), variable=DETACH_ENV),
+            communicator=communicator,
+            cpu_platform=platform_raw == "on",
+            ray_device_key=key,
+        )

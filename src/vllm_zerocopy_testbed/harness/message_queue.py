@@ -1,0 +1,251 @@
+"""A real vLLM ``MessageQueue`` with reader processes, for component tests and benchmarks.
+
+The writer lives in the calling process (where the broadcast mode is applied);
+readers are spawned processes that attach through the queue's handle: local
+readers through the shared-memory ring, remote readers over TCP on a loopback
+address. Readers describe every tensor or array they receive (digest, dtype,
+shape, writability) and send that back, so bit-exactness is checked on bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.patches import broadcast
+
+logger = logging.getLogger(__name__)
+
+_STOP = "__testbed_stop__"
+
+
+@dataclass(frozen=True)
+class QueueTopology:
+    """Who reads from the queue, and how large a ring chunk is."""
+
+    local_readers: int = 1
+    remote_readers: int = 0
+    max_chunk_bytes: int = 24 * 1024 * 1024
+    # Remote readers connect over TCP here; never 127.0.0.1, which Ray rewrites.
+    remote_ip: str = "127.0.0.2"
+
+    @property
+    def readers(self) -> int:
+        return self.local_readers + self.remote_readers
+
+
+@dataclass(frozen=True)
+class ItemReport:
+    """What a reader saw of one tensor or array of a message."""
+
+    kind: str  # "tensor" or "ndarray"
+    type_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+    writable: bool
+    requires_grad: bool = False
+    is_conj: bool = False
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    plain = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return plain.view(torch.uint8).numpy().tobytes() if plain.numel() else b""
+
+
+def describe_item(value: Any, writable: bool = True) -> ItemReport:
+    """Return the report of one tensor or array (the writer's side of the check)."""
+    if isinstance(value, torch.Tensor):
+        return ItemReport(
+            kind="tensor",
+            type_name=type(value).__name__,
+            dtype=str(value.dtype),
+            shape=tuple(value.shape),
+            digest=hashlib.sha256(_tensor_bytes(value)).hexdigest(),
+            writable=writable,
+            requires_grad=value.requires_grad,
+            is_conj=value.is_conj(),
+        )
+    array = np.asarray(value)
+    return ItemReport(
+        kind="ndarray",
+        type_name=type(value).__name__,
+        dtype=str(array.dtype),
+        shape=tuple(array.shape),
+        digest=hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(),
+        writable=writable and bool(array.flags.writeable),
+    )
+
+
+def describe(payload: dict[str, Any]) -> dict[str, ItemReport]:
+    """Return reports of every tensor or array in a flat ``{name: value}`` payload."""
+    return {name: describe_item(value) for name, value in payload.items()}
+
+
+def _writable_in_place(tensor: torch.Tensor) -> bool:
+    """Write the first element back onto itself; False if torch refuses."""
+    if tensor.numel() == 0:
+        return True
+    try:
+        with torch.no_grad():
+            flat = tensor.detach().reshape(-1)
+            flat[:1].copy_(flat[:1].clone())
+        return True
+    except RuntimeError:
+        return False
+
+
+def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int] | None]:
+    """Return the next message and, for ``wire_report``, the sizes of its ZMQ frames."""
+    if not wire_report:
+        return mq.dequeue(timeout=timeout), None
+    # Same steps as MessageQueue.recv, keeping the frames to measure them.
+    if not mq.remote_socket.poll(timeout=int(timeout * 1000)):
+        raise TimeoutError(f"no message within {timeout} s")
+    frames = mq.remote_socket.recv_multipart(copy=False)
+    sizes = [memoryview(f).nbytes for f in frames]
+    return pickle.loads(frames[0], buffers=frames[1:]), sizes
+
+
+def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool) -> None:
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    while True:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            payload, frame_sizes = _receive(mq, timeout, wire_report)
+        if isinstance(payload, str) and payload == _STOP:
+            return
+        if frame_sizes is not None:
+            results.put((rank, {"frames": frame_sizes}))
+            continue
+        not_writable = any("not writable" in str(w.message) for w in caught)
+        report = {}
+        for name, value in payload.items():
+            ok = not not_writable
+            if isinstance(value, torch.Tensor):
+                ok = ok and _writable_in_place(value)
+            report[name] = describe_item(value, writable=ok)
+        results.put((rank, report))
+
+
+class MessageQueueHarness:
+    """One writer in this process and ``topology.readers`` reader processes."""
+
+    def __init__(
+        self,
+        topology: QueueTopology,
+        mode: PatchMode,
+        timeout: float = 60.0,
+        wire_report: bool = False,
+    ) -> None:
+        if wire_report and topology.local_readers:
+            raise ValueError("wire_report measures ZMQ frames: remote readers only")
+        self.wire_report = wire_report
+        self.topology = topology
+        self.mode = mode
+        self.timeout = timeout
+        self._ctx = mp.get_context("spawn")
+        self._results = self._ctx.Queue()
+        self._readers: list[mp.process.BaseProcess] = []
+        self.writer: Any = None
+
+    def __enter__(self) -> "MessageQueueHarness":
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        broadcast.apply(self.mode)
+        topo = self.topology
+        self.writer = MessageQueue(
+            n_reader=topo.readers,
+            n_local_reader=topo.local_readers,
+            local_reader_ranks=list(range(1, topo.local_readers + 1)),
+            max_chunk_bytes=topo.max_chunk_bytes,
+            connect_ip=topo.remote_ip,
+        )
+        handle = self.writer.export_handle()
+        try:
+            for rank in range(1, topo.readers + 1):
+                proc = self._ctx.Process(
+                    target=_reader_main,
+                    args=(handle, rank, self._results, self.timeout, self.wire_report),
+                    name=f"testbed-mq-reader-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._readers.append(proc)
+            self.writer.wait_until_ready()
+        except BaseException:
+            self._stop_readers()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop_readers()
+
+    @property
+    def reader_pids(self) -> list[int]:
+        return [p.pid for p in self._readers if p.pid is not None]
+
+    def pause_readers(self) -> None:
+        """SIGSTOP every reader: their ZMQ I/O threads stop draining the sockets."""
+        for pid in self.reader_pids:
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume_readers(self) -> None:
+        for pid in self.reader_pids:
+            os.kill(pid, signal.SIGCONT)
+
+    def send(self, payload: dict[str, Any]) -> None:
+        self.writer.enqueue(payload, timeout=self.timeout)
+
+    def collect(self) -> dict[int, dict[str, ItemReport]]:
+        """Return each reader's report of the next message; raise if one is late or dead."""
+        deadline = time.monotonic() + self.timeout
+        reports: dict[int, dict[str, ItemReport]] = {}
+        while len(reports) < self.topology.readers:
+            try:
+                rank, report = self._results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [p.name for p in self._readers if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"readers answered {sorted(reports)} of {self.topology.readers} "
+                        f"within {self.timeout} s; dead: {dead or 'none'}"
+                    ) from None
+                continue
+            reports[rank] = report
+        return reports
+
+    def broadcast(self, payload: dict[str, Any]) -> dict[int, dict[str, ItemReport]]:
+        self.send(payload)
+        return self.collect()
+
+    def _stop_readers(self) -> None:
+        self.resume_readers()
+        if self.writer is not None and any(p.is_alive() for p in self._readers):
+            try:
+                self.writer.enqueue(_STOP, timeout=5.0)
+            except Exception as exc:  # readers may already be gone
+                logger.debug("stop message not delivered: %s", exc)
+        for proc in self._readers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._readers.clear()
+        self.writer = None

@@ -1,0 +1,198 @@
+"""Real vLLM outputs through a real Ray compiled graph, read the way vLLM's executor reads them.
+
+An actor (pinned to a node by a custom resource) returns a ``ModelRunnerOutput``
+whose logprobs are numpy arrays. The driver reads each step through vLLM's
+``FutureWrapper.result`` — ``ray.get`` then the module's detach function, which
+the detach mode replaced — and keeps every output alive, as the scheduler keeps
+a request's logprobs. Without a detach the second read stalls until its bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.patches import detach
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OutputShape:
+    """What a step's output carries, each field with the type vLLM 0.32 gives it."""
+
+    num_reqs: int = 4
+    num_logprobs: int = 5
+    # > 0: prompt logprobs of this many rows per request, as vLLM's torch ``LogprobsTensors``
+    prompt_len: int = 0
+    # True: a numpy ``SamplingMaskLists`` (``return_sampling_mask``), which upstream's detach skips
+    sampling_mask: bool = False
+
+
+def make_output(step: int, shape: OutputShape) -> Any:
+    """Return a ``ModelRunnerOutput`` of ``shape`` with deterministic contents."""
+    import torch
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput, SamplingMaskLists
+
+    rng = np.random.default_rng(step)
+    rows, cols = shape.num_reqs, shape.num_logprobs + 1
+    req_ids = [f"req-{i}" for i in range(shape.num_reqs)]
+    logprobs = LogprobsLists(
+        logprob_token_ids=rng.integers(0, 512, size=(rows, cols), dtype=np.int32),
+        logprobs=rng.standard_normal((rows, cols)).astype(np.float32),
+        sampled_token_ranks=rng.integers(0, cols, size=rows, dtype=np.int32),
+    )
+    prompt: dict[str, Any] = {}
+    for req in req_ids if shape.prompt_len else ():
+        prompt[req] = LogprobsTensors(
+            logprob_token_ids=torch.from_numpy(rng.integers(0, 512, size=(shape.prompt_len, cols))),
+            logprobs=torch.from_numpy(rng.standard_normal((shape.prompt_len, cols)).astype(np.float32)),
+            selected_token_ranks=torch.from_numpy(rng.integers(0, cols, size=shape.prompt_len)),
+        )
+    masks = None
+    if shape.sampling_mask:
+        kept = rng.integers(0, 512, size=rows * 8, dtype=np.int32)
+        masks = SamplingMaskLists(token_ids=kept, offsets=np.arange(0, rows * 8 + 1, 8, dtype=np.int64))
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[step] for _ in req_ids],
+        logprobs=logprobs,
+        prompt_logprobs_dict=prompt,
+        sampling_masks=masks,
+    )
+
+
+@dataclass
+class StepRecord:
+    """One step of the history: how long the read took and how it ended."""
+
+    step: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class ChannelHistory:
+    """Every step the driver attempted, in order."""
+
+    mode: PatchMode
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def first_error(self) -> StepRecord | None:
+        return next((s for s in self.steps if s.error is not None), None)
+
+
+def _producer_class() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class OutputProducer:
+        def __init__(self, shape: OutputShape) -> None:
+            import vllm.v1.outputs  # noqa: F401  (import cost off the first step)
+
+            self.shape = shape
+
+        def step(self, step: int) -> Any:
+            return make_output(step, self.shape)
+
+    return OutputProducer
+
+
+def run_compiled_graph(
+    mode: PatchMode,
+    steps: int,
+    shape: OutputShape = OutputShape(),
+    node_resource: str | None = None,
+    first_timeout: float = 120.0,
+    step_timeout: float = 5.0,
+) -> ChannelHistory:
+    """Run ``steps`` steps through a compiled graph in the connected Ray; stop at the first error.
+
+    The caller has called ``ray.init``. ``node_resource`` pins the actor to the
+    node that advertises that custom resource (the remote node).
+    """
+    import ray
+    from ray.dag import InputNode
+    from vllm.v1.executor import ray_utils
+
+    detach.apply(mode)
+    options = {"resources": {node_resource: 0.01}} if node_resource else {}
+    actor = _producer_class().options(**options).remote(shape)
+    with InputNode() as inp:
+        dag = actor.step.bind(inp)
+    compiled = dag.experimental_compile()
+    history = ChannelHistory(mode)
+    kept: list[Any] = []  # outputs stay referenced, as the scheduler keeps them
+    try:
+        for step in range(steps):
+            start = time.monotonic()
+            try:
+                ref = compiled.execute(step)
+                output = ray_utils.FutureWrapper(ref).result(
+                    timeout=first_timeout if step == 0 else step_timeout
+                )
+            except Exception as exc:  # RayChannelTimeoutError and friends
+                history.steps.append(StepRecord(step, time.monotonic() - start, type(exc).__name__))
+                break
+            kept.append(output)
+            history.steps.append(StepRecord(step, time.monotonic() - start))
+            if output.sampled_token_ids[0] != [step]:
+                history.steps[-1].error = "WrongOutput"
+                break
+    finally:
+        kept.clear()
+        try:
+            compiled.teardown()
+        except Exception as exc:
+            logger.warning("compiled graph teardown: %s", exc)
+        ray.kill(actor)
+    return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the graph as a driver process and print the history as one JSON line.
+
+    A driver whose graph stalled can crash in Ray's teardown at exit, so tests
+    run it as a child process; it leaves with ``os._exit`` right after printing.
+    """
+    import argparse
+    import dataclasses
+    import json
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--node-ip", required=True, help="this driver's loopback address")
+    parser.add_argument("--mode", required=True, choices=[m.value for m in PatchMode])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--node-resource", default=None)
+    parser.add_argument("--prompt-len", type=int, default=0)
+    parser.add_argument("--sampling-mask", action="store_true")
+    parser.add_argument("--step-timeout", type=float, default=5.0)
+    args = parser.parse_args(argv)
+
+    import ray
+
+    ray.init(address=args.address, _node_ip_address=args.node_ip, logging_level="ERROR")
+    history = run_compiled_graph(
+        PatchMode(args.mode),
+        args.steps,
+        OutputShape(prompt_len=args.prompt_len, sampling_mask=args.sampling_mask),
+        node_resource=args.node_resource,
+        step_timeout=args.step_timeout,
+    )
+    print(json.dumps({"mode": history.mode.value, "steps": [dataclasses.asdict(s) for s in history.steps]}))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Tensor broadcast through vLLM's ``MessageQueue``: our reducer and a race-free enqueue.
+
+``MessageQueue.enqueue`` pickles a message with protocol 5; buffers of at least
+``OOB_MIN_BYTES`` leave the pickle stream as out-of-band frames. Readers get
+them from the shared-memory ring (copied out) or as ZMQ frames (aliased).
+
+Two properties are under test:
+
+* zero copy (upstream PR 48442): CPU tensors travel as out-of-band buffers
+  instead of being serialised by ``torch.save`` into the stream;
+* no send race (upstream PR 53217, open): a buffer given to ZMQ with
+  ``copy=False`` is sent later by ZMQ's I/O thread, so a caller that reuses its
+  tensor after ``enqueue`` returned corrupts what remote readers receive.
+
+Our ``testbed`` policy keeps the zero copy and closes the race by waiting on
+ZMQ's per-frame trackers before ``enqueue`` returns: no extra copy and no fresh
+allocation (a fresh ``bytes()`` of 16 MiB costs more than the transfer, see
+../shared/FINDINGS.md); the writer is held for the time ZMQ needs to hand the
+bytes to the kernel, which the reader would wait for anyway. Only the ZMQ paths
+(overflow to local readers, remote readers) wait: the shared-memory ring copies
+the bytes inside ``enqueue`` already.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from vllm_zerocopy_testbed.config import PatchMode
+
+logger = logging.getLogger(__name__)
+
+# Buffers at least this large leave the pickle stream (upstream uses the same
+# limit): below it one copy into the stream is cheaper than an extra frame.
+OOB_MIN_BYTES = 1 << 20
+
+# Ring chunk layout shared with upstream ``dequeue``: byte 0 is the overflow
+# flag, bytes 1-2 the buffer count, then per buffer a 4-byte big-endian length
+# and the bytes.
+_RING_HEADER_BYTES = 3
+_RING_LENGTH_BYTES = 4
+_RING_COUNT_BYTES = 2
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def rebuild_tensor(buffer: Any, shape: tuple[int, ...], dtype_name: str) -> torch.Tensor:
+    """Return a writable tensor over ``buffer`` (aliased when writable, else copied).
+
+    Pickle hands over the object the reader passed in ``buffers=``: a
+    ``bytearray`` copied out of the ring, a ``zmq.Frame`` (writable, owns its
+    message), or ``bytes`` when a buffer was kept in-band.
+    """
+    dtype = getattr(torch, dtype_name)
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def reduce_tensor(tensor: torch.Tensor) -> tuple:
+    """Return the pickle reduction of ``tensor``: its raw bytes as a ``PickleBuffer`` when eligible.
+
+    Eligible: a plain CPU strided tensor without grad, conjugate or negative
+    bit, not quantized, of any size: the pickler's buffer callback keeps
+    buffers under ``OOB_MIN_BYTES`` in-band. Small tensors do not fall back to
+    torch's reduction because torch 2.13 cannot load back the fp8 tensors it
+    pickles (``UntypedStorage has no attribute 'dtype'``). Everything else
+    (including subclasses such as ``nn.Parameter``, which the dispatch table
+    never routes here) keeps torch's reduction so its type and flags survive.
+    """
+    if (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.is_quantized
+    ):
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return rebuild_tensor, (
+            pickle.PickleBuffer(raw),
+            tuple(tensor.shape),
+            _dtype_name(tensor.dtype),
+        )
+    return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass(frozen=True)
+class EnqueuePolicy:
+    """What an ``enqueue`` does with tensors and with frames handed to ZMQ."""
+
+    mode: PatchMode
+    zero_copy_tensors: bool  # route CPU tensors through ``reduce_tensor``
+    hold_until_sent: bool  # return only after ZMQ released every out-of-band frame
+
+
+OFF_POLICY = EnqueuePolicy(PatchMode.OFF, zero_copy_tensors=False, hold_until_sent=False)
+TESTBED_POLICY = EnqueuePolicy(PatchMode.TESTBED, zero_copy_tensors=True, hold_until_sent=True)
+
+
+def serialize(obj: Any, zero_copy_tensors: bool) -> list[Any]:
+    """Return ``[pickle stream, out-of-band buffer, ...]`` for ``obj``."""
+    frames: list[Any] = [b""]
+
+    def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < OOB_MIN_BYTES:
+            return True
+        frames.append(raw)
+        return False
+
+    with io.BytesIO() as stream:
+        pickler = pickle.Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=keep_in_band)
+        if zero_copy_tensors:
+            # Start from copyreg's table so globally registered reducers still apply.
+            table = dict(copyreg.dispatch_table)
+            table[torch.Tensor] = reduce_tensor
+            pickler.dispatch_table = table
+        pickler.dump(obj)
+        frames[0] = stream.getvalue()
+    return frames
+
+
+def _ring_bytes(frames: list[Any]) -> int:
+    return _RING_HEADER_BYTES + sum(_RING_LENGTH_BYTES + memoryview(f).nbytes for f in frames)
+
+
+def _write_ring(chunk: memoryview, frames: list[Any]) -> None:
+    chunk[0] = 0  # not overflow
+    chunk[1:_RING_HEADER_BYTES] = len(frames).to_bytes(_RING_COUNT_BYTES, "big")
+    offset = _RING_HEADER_BYTES
+    for frame in frames:
+        size = memoryview(frame).nbytes
+        chunk[offset : offset + _RING_LENGTH_BYTES] = size.to_bytes(_RING_LENGTH_BYTES, "big")
+        offset += _RING_LENGTH_BYTES
+        chunk[offset : offset + size] = frame
+        offset += size
+
+
+def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[zmq.MessageTracker]:
+    """Send ``frames`` without copying; return trackers of the out-of-band frames if held."""
+    if not hold or len(frames) == 1:
+        socket.send_multipart(frames, copy=False)
+        return []
+    tracked = [zmq.Frame(f, track=True) for f in frames[1:]]
+    socket.send_multipart([frames[0], *tracked], copy=False)
+    return [f.tracker for f in tracked]
+
+
+def _wait_sent(trackers: list[zmq.MessageTracker], timeout: float | None) -> None:
+    """Block until ZMQ no longer reads any tracked buffer; bounded by ``timeout``."""
+    if not trackers:
+        return
+    from vllm import envs
+
+    warn_every = float(envs.VLLM_RINGBUFFER_WARNING_INTERVAL)
+    start = time.monotonic()
+    for tracker in trackers:
+        while True:
+            elapsed = time.monotonic() - start
+            step = warn_every if timeout is None else min(warn_every, timeout - elapsed)
+            if step <= 0:
+                raise TimeoutError(
+                    f"MessageQueue.enqueue: ZMQ still sending after {timeout} s; "
+                    "a reader is not consuming (dead or stuck node?)"
+                )
+            try:
+                tracker.wait(step)
+                break
+            except zmq.NotDone:
+                logger.warning(
+                    "MessageQueue.enqueue: out-of-band buffers not sent after %.0f s; "
+                    "is every reader alive?",
+                    time.monotonic() - start,
+                )
+
+
+def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Callable[..., None]:
+    """Return a ``MessageQueue.enqueue`` replacement that follows ``policy``."""
+
+    def enqueue(self: Any, obj: Any, timeout: float | None = None) -> None:
+        assert self._is_writer, "Only writers can enqueue"
+        if getattr(self, "tensor_arena", None) is not None:
+            # The opt-in shm tensor arena is its own transport; leave it to vLLM.
+            return installed(self, obj, timeout)
+        frames = serialize(obj, policy.zero_copy_tensors)
+        trackers: list[zmq.MessageTracker] = []
+        if self.n_local_reader > 0:
+            if _ring_bytes(frames) > self.buffer.max_chunk_bytes:
+                with self.acquire_write(timeout) as chunk:
+                    chunk[0] = 1  # overflow: readers take the frames from the socket
+                trackers += _send(self.local_socket, frames, policy.hold_until_sent)
+            else:
+                with self.acquire_write(timeout) as chunk:
+                    _write_ring(chunk, frames)
+            spin = getattr(self, "_spin_condition", None)
+            if spin is not None:
+                spin.notify()
+        if self.n_remote_reader > 0:
+            trackers += _send(self.remote_socket, frames, policy.hold_until_sent)
+        _wait_sent(trackers, timeout)
+
+    enqueue.testbed_mode = policy.mode  # type: ignore[attr-defined]
+    return enqueue
+
+
+_installed_enqueue: Callable[..., None] | None = None
+
+
+def apply(mode: PatchMode) -> None:
+    """Make ``MessageQueue.enqueue`` behave as ``mode`` in this process."""
+    global _installed_enqueue
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    if _installed_enqueue is None:
+        _installed_enqueue = MessageQueue.enqueue
+    if mode is PatchMode.UPSTREAM:
+        MessageQueue.enqueue = _installed_enqueue  # type: ignore[method-assign]
+        return
+    policy = TESTBED_POLICY if mode is PatchMode.TESTBED else OFF_POLICY
+    MessageQueue.enqueue = make_enqueue(policy, _installed_enqueue)  # type: ignore[method-assign]
+
+
+def active_mode() -> PatchMode:
+    """Return the mode ``MessageQueue.enqueue`` currently follows in this process."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    return getattr(MessageQueue.enqueue, "testbed_mode", PatchMode.UPSTREAM)

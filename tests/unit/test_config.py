@@ -1,0 +1,36 @@
+"""Configuration from the environment: defaults, and errors that name the valid values."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_zerocopy_testbed.config import CommunicatorChoice, ConfigError, PatchMode, TestbedConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_are_ours() -> None:
+    config = TestbedConfig.from_env({})
+    assert config.broadcast is PatchMode.TESTBED and config.detach is PatchMode.TESTBED
+    assert config.communicator is CommunicatorChoice.HOST_AWARE and config.ray_device_key == "HPU"
+
+
+def test_modes_parse_case_insensitively() -> None:
+    config = TestbedConfig.from_env({"TESTBED_BROADCAST": "OFF", "TESTBED_DETACH": " upstream "})
+    assert (config.broadcast, config.detach) == (PatchMode.OFF, PatchMode.UPSTREAM)
+
+
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        ({"TESTBED_BROADCAST": "on"}, ["TESTBED_BROADCAST", "upstream", "off", "testbed"]),
+        ({"TESTBED_DETACH": "yes"}, ["TESTBED_DETACH", "upstream", "off", "testbed"]),
+        ({"TESTBED_CPU_COMMUNICATOR": "shm"}, ["host-aware", "stock"]),
+        ({"TESTBED_RAY_DEVICE_KEY": "TPU"}, ["HPU", "GPU"]),
+    ],
+)
+def test_bad_values_name_the_valid_ones(env, names) -> None:
+    with pytest.raises(ConfigError) as info:
+        TestbedConfig.from_env(env)
+    for name in names:
+        assert name in str(info.value)

@@ -1,0 +1,78 @@
+"""Detaching read-only (channel-backed) arrays from real vLLM ``ModelRunnerOutput`` objects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.harness.ray_channel import OutputShape, make_output
+from vllm_zerocopy_testbed.patches import detach
+
+pytestmark = pytest.mark.unit
+
+
+def _freeze(array: np.ndarray) -> np.ndarray:
+    """Return a read-only view over immutable bytes, as Ray's channel gives them."""
+    return np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape)
+
+
+def _channel_output():
+    from vllm.v1.outputs import LogprobsLists, SamplingMaskLists
+
+    out = make_output(0, OutputShape(sampling_mask=True))
+    out.logprobs = LogprobsLists(*(_freeze(a) for a in out.logprobs[:3]), out.logprobs[3])
+    masks = out.sampling_masks
+    out.sampling_masks = SamplingMaskLists(_freeze(masks.token_ids), _freeze(masks.offsets))
+    return out
+
+
+def _read_only(*arrays: np.ndarray) -> list[bool]:
+    return [not a.flags.writeable for a in arrays]
+
+
+def test_every_read_only_array_is_copied_with_values_and_types_kept(detach_mode, expect) -> None:
+    expect("detach_logprobs", detach_mode)
+    out = _channel_output()
+    before = [a.copy() for a in out.logprobs[:3]]
+    detach.resolve(detach_mode)(out)
+    assert type(out.logprobs).__name__ == "LogprobsLists"
+    assert not any(_read_only(*out.logprobs[:3])), "logprobs still backed by the channel"
+    for old, new in zip(before, out.logprobs[:3]):
+        assert np.array_equal(old, new) and old.dtype == new.dtype
+
+
+def test_sampling_masks_are_detached(detach_mode, expect) -> None:
+    expect("detach_sampling_mask", detach_mode)
+    out = _channel_output()
+    detach.resolve(detach_mode)(out)
+    assert type(out.sampling_masks).__name__ == "SamplingMaskLists"
+    assert not any(_read_only(out.sampling_masks.token_ids, out.sampling_masks.offsets))
+
+
+def test_writable_arrays_are_left_alone() -> None:
+    out = make_output(1, OutputShape(prompt_len=3))
+    arrays = list(out.logprobs[:3])
+    detach.detach_output(out)
+    assert all(new is old for new, old in zip(out.logprobs[:3], arrays))
+
+
+def test_nested_containers_and_none_are_handled() -> None:
+    frozen = _freeze(np.arange(6, dtype=np.int64))
+    tree = {"a": [frozen, (frozen, {"b": frozen})]}
+    detach._detached(tree, set())
+    assert tree["a"][0].flags.writeable
+    assert tree["a"][1][0].flags.writeable and tree["a"][1][1]["b"].flags.writeable
+    detach.detach_output(None)
+
+
+def test_apply_replaces_the_function_vllm_calls(detach_mode) -> None:
+    from vllm.v1.executor import ray_executor, ray_utils
+
+    try:
+        detach.apply(detach_mode)
+        assert detach.active_mode() is detach_mode
+        assert ray_executor.detach_zero_copy_from_model_runner_output is detach.resolve(detach_mode)
+    finally:
+        detach.apply(PatchMode.UPSTREAM)
+    assert ray_utils.detach_zero_copy_from_model_runner_output is detach.upstream_detach()
