@@ -10,7 +10,6 @@ import sys
 from vllm_zerocopy_testbed.config import TestbedConfig
 from vllm_zerocopy_testbed.patches import apply_modes
 
-logger = logging.getLogger("vllm_zerocopy_testbed")
 
 
 def process_role() -> str:
@@ -34,12 +33,21 @@ def register() -> None:
     """Apply the configured modes; a bad value stops vLLM with a message naming valid ones."""
     config = TestbedConfig.from_env()
     modes = apply_modes(config)
-    # vLLM's logger is configured by now; ours propagates to the root logger,
-    # which vLLM may not have set up, so log through vLLM's when it is there.
-    try:
-        from vllm.logger import init_logger
+    _mode_logger().info("testbed modes pid=%d role=%s %s", os.getpid(), process_role(), modes)
 
-        out = init_logger("vllm_zerocopy_testbed")
-    except ImportError:  # pragma: no cover - plugin only loads inside vLLM
-        out = logger
-    out.info("testbed modes pid=%d role=%s %s", os.getpid(), process_role(), modes)
+
+def _mode_logger() -> logging.Logger:
+    """Return a logger that writes to stderr whether or not vLLM configured logging yet.
+
+    Plugins load before some processes configure vLLM's handlers, and vLLM's
+    handlers cover its own namespace only; the mode line must show in every
+    process, so it has a handler of its own.
+    """
+    log = logging.getLogger("vllm_zerocopy_testbed.modes")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s [testbed] %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log

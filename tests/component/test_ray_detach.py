@@ -1,0 +1,70 @@
+"""Upstream issue 35319 with real Ray compiled graphs on two loopback nodes.
+
+The actor runs on the second node (127.0.0.2) and returns real vLLM outputs;
+the driver (on the head, 127.0.0.3) reads them through vLLM's own
+``FutureWrapper.result`` and keeps them all, as the scheduler keeps logprobs.
+Each test gets a fresh cluster: after a stall, Ray's teardown crashes the
+remote raylet (``experimental_mutable_object_provider.cc ... Channel closed``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+from vllm_zerocopy_testbed.config import PatchMode
+
+pytestmark = [pytest.mark.component, pytest.mark.timeout(300)]
+
+STEPS = 20
+STEP_TIMEOUT_S = 5  # the short RAY_CGRAPH_get_timeout a stall runs into
+REMOTE = "testbed_node1"
+
+
+@pytest.fixture
+def two_nodes():
+    nodes = [RayNodeSpec("127.0.0.3"), RayNodeSpec("127.0.0.2", resources={REMOTE: 1})]
+    with LocalRayCluster(nodes) as cluster:
+        yield cluster
+
+
+def _drive(cluster: LocalRayCluster, mode: PatchMode, *extra: str) -> list[dict]:
+    env = dict(os.environ, RAY_CGRAPH_teardown_timeout="10", RAY_CGRAPH_get_timeout=str(STEP_TIMEOUT_S))
+    cmd = [sys.executable, "-m", "vllm_zerocopy_testbed.harness.ray_channel",
+           f"--address={cluster.address}", "--node-ip=127.0.0.3", f"--mode={mode.value}",
+           f"--steps={STEPS}", f"--node-resource={REMOTE}", f"--step-timeout={STEP_TIMEOUT_S}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"driver printed no history (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])["steps"]
+
+
+def _assert_no_stall(steps: list[dict]) -> None:
+    failed = [s for s in steps if s["error"]]
+    assert not failed, (
+        f"step {failed[0]['step']} ended with {failed[0]['error']} after {failed[0]['seconds']:.1f} s "
+        f"while earlier outputs were held"
+    )
+    assert len(steps) == STEPS
+
+
+def test_held_logprobs_never_stall_the_channel(two_nodes, detach_mode, expect) -> None:
+    expect("detach_logprobs", detach_mode)
+    _assert_no_stall(_drive(two_nodes, detach_mode))
+
+
+def test_held_sampling_masks_never_stall_the_channel(two_nodes, detach_mode, expect) -> None:
+    expect("detach_sampling_mask", detach_mode)
+    _assert_no_stall(_drive(two_nodes, detach_mode, "--sampling-mask"))
+
+
+def test_a_stall_is_bounded_by_the_channel_timeout(two_nodes) -> None:
+    """The fix-off run shows the real symptom, within its bound (not a hang)."""
+    steps = _drive(two_nodes, PatchMode.OFF)
+    assert [s["error"] for s in steps] == [None, "RayChannelTimeoutError"]
+    assert steps[1]["seconds"] < STEP_TIMEOUT_S + 2.0
