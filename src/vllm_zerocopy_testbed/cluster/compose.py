@@ -1,0 +1,192 @@
+"""The Docker Compose cluster: Ray head (+ OpenAI server) and worker containers.
+
+``ComposeCluster`` is the interface the suites use (up with a bounded wait,
+base URL, nodes, logs, kill/pause/disconnect a node, down); it is also what
+``make up`` / ``make down`` run (``python -m vllm_zerocopy_testbed.cluster.compose``).
+Everything is addressed by our compose project, never by a broad name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from vllm_zerocopy_testbed.cluster.local_ray import ClusterStartError
+from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
+from vllm_zerocopy_testbed.config import COMPOSE_DIR, REPO_ROOT, ClusterSettings
+
+logger = logging.getLogger(__name__)
+
+LOCAL_BASE_IMAGE = "testbed-base:bookworm"
+NETWORK = "testbed"
+HEAD_IP = "172.29.77.10"  # fixed in compose.yaml
+
+class ComposeCluster:
+    """Our compose project; a context manager that always brings it down."""
+
+    def __init__(
+        self,
+        settings: ClusterSettings | None = None,
+        up_timeout: float = 600.0,
+        down_timeout: float = 60.0,
+        base_image: str | None = None,
+    ) -> None:
+        self.settings = settings or ClusterSettings.from_env()
+        self.up_timeout = up_timeout
+        self.down_timeout = down_timeout
+        self.base_image = base_image or os.environ.get("BASE_IMAGE", LOCAL_BASE_IMAGE)
+        compose = Path(sys.executable).with_name("docker-compose")
+        self._compose = [str(compose), "-f", str(COMPOSE_DIR / "compose.yaml")]
+        self._env = {**os.environ, **self.settings.values}
+
+    # -- plumbing ---------------------------------------------------------
+    def _run(self, args: Sequence[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+        try:
+            proc = subprocess.run(list(args), env=self._env, cwd=REPO_ROOT, capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{' '.join(args[:4])}… did not finish within {timeout:.0f} s") from exc
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        return proc
+
+    def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self._run([*self._compose, *args], timeout=timeout, check=check)
+
+    def _script(self, *args: str, timeout: float) -> None:
+        proc = subprocess.run(list(args), env=self._env, cwd=REPO_ROOT, timeout=timeout)
+        if proc.returncode != 0:
+            raise ClusterStartError(f"{' '.join(args)} failed ({proc.returncode}); see its output above")
+
+    # -- life cycle -------------------------------------------------------
+    def prepare(self) -> None:
+        """Make the engine reachable and the images present (each step skips itself when done)."""
+        self._script("scripts/ensure-docker.sh", timeout=600)
+        if self.base_image == LOCAL_BASE_IMAGE:
+            self._script("images/base/build.sh", self.base_image, timeout=1200)
+        self._script("scripts/wheelhouse.sh", "cpu", timeout=2400)
+        self._script("scripts/build-image.sh", self.settings["TESTBED_IMAGE"], self.base_image, "vllm-cpu",
+                     timeout=2400)
+
+    def up(self) -> float:
+        """Bring the cluster up and wait until healthy (bounded); return the seconds it took."""
+        self.prepare()
+        start = time.monotonic()
+        self._remove_stopped_leftovers()
+        proc = self.compose("up", "-d", "--wait", "--wait-timeout", str(int(self.up_timeout)),
+                            timeout=self.up_timeout + 60, check=False)
+        if proc.returncode != 0:
+            raise ClusterStartError(
+                f"cluster not healthy within {self.up_timeout:.0f} s:\n{proc.stderr[-1500:]}\n"
+                f"--- last log lines ---\n{self.logs(tail=60)}\n(`make down` removes it)"
+            )
+        return time.monotonic() - start
+
+    def _remove_stopped_leftovers(self) -> None:
+        """Remove our project's containers left stopped (e.g. by a restarted dockerd)."""
+        proc = self.compose("ps", "-a", "--format", "json", timeout=30, check=False)
+        states = [json.loads(line).get("State") for line in proc.stdout.splitlines() if line.startswith("{")]
+        if any(state != "running" for state in states):
+            logger.info("removing %d leftover container(s) of %s", len(states), self.settings.project)
+            self.down()
+
+    def down(self) -> None:
+        """Remove our containers and network (bounded)."""
+        self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10",
+                     timeout=self.down_timeout, check=False)
+
+    def __enter__(self) -> "ComposeCluster":
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- what the suites ask ---------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return self.settings.base_url
+
+    def logs(self, service: str | None = None, tail: int | None = None) -> str:
+        args = ["logs", "--no-color", *(["--tail", str(tail)] if tail else []), *([service] if service else [])]
+        proc = self.compose(*args, timeout=60, check=False)
+        return proc.stdout + proc.stderr
+
+    def containers(self) -> dict[str, str]:
+        """Return container name -> its IP on our network, for every container of the project."""
+        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
+        if not ids:
+            return {}
+        proc = self._run(["docker", "inspect", *ids], timeout=30)
+        found = {}
+        for info in json.loads(proc.stdout):
+            networks = info["NetworkSettings"]["Networks"]
+            ip = next((n["IPAddress"] for name, n in networks.items() if name.endswith(NETWORK)), "")
+            found[info["Name"].lstrip("/")] = ip
+        return found
+
+    def placement(self) -> list[RankPlacement]:
+        """Return where each vLLM rank runs, from the head's log."""
+        by_ip = {ip: name for name, ip in self.containers().items()}
+        return parse_placement(self.logs("head"), by_ip, driver_ip=HEAD_IP)
+
+    def mode_lines(self) -> list[str]:
+        """Return every process's ``testbed modes`` line, with its log prefix."""
+        return parse_mode_lines(self.logs())
+
+    # -- nemeses ----------------------------------------------------------
+    def _container(self, service: str) -> str:
+        ids = self.compose("ps", "-q", service, timeout=30).stdout.split()
+        if not ids:
+            raise LookupError(f"no running container for service {service!r}")
+        return ids[0]
+
+    def kill(self, service: str) -> None:
+        self._run(["docker", "kill", self._container(service)], timeout=30)
+
+    def pause(self, service: str) -> None:
+        self._run(["docker", "pause", self._container(service)], timeout=30)
+
+    def unpause(self, service: str) -> None:
+        self._run(["docker", "unpause", self._container(service)], timeout=30)
+
+    def disconnect(self, service: str) -> None:
+        network = f"{self.settings.project}_{NETWORK}"
+        self._run(["docker", "network", "disconnect", "--force", network, self._container(service)], timeout=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Bring the compose cluster up or down.")
+    parser.add_argument("action", choices=["up", "down", "describe"])
+    parser.add_argument("--timeout", type=float, default=600.0, help="bound on reaching healthy")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cluster = ComposeCluster(up_timeout=args.timeout)
+    if args.action == "down":
+        cluster.down()
+        left = cluster.containers()
+        print(f"cluster {cluster.settings.project}: down" + (f"; still there: {left}" if left else ""))
+        return
+    if args.action == "up":
+        try:
+            seconds = cluster.up()
+        except (ClusterStartError, TimeoutError, RuntimeError) as exc:
+            sys.exit(f"make up failed: {exc}")
+        print(f"cluster {cluster.settings.project}: healthy in {seconds:.0f} s")
+    print(describe(cluster.base_url, cluster.settings["TESTBED_SERVED_MODEL"], cluster.placement(),
+                   cluster.mode_lines()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The local backend: Ray nodes and the OpenAI server as processes on 127.0.0.x (no Docker).
+
+Same interface as ``ComposeCluster``. Nodes share this machine's /dev/shm, so
+unlike containers the stock communicator would "work" here; the compose
+backend is the one that shows cross-host behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from vllm_zerocopy_testbed.cluster.local_ray import ClusterStartError, LocalRayCluster, RayNodeSpec
+from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_placement, parse_mode_lines
+from vllm_zerocopy_testbed.cluster.serve import serve_argv
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
+from vllm_zerocopy_testbed.model import build
+
+HEAD_IP = "127.0.0.3"
+WORKER_IPS = ("127.0.0.2", "127.0.0.4", "127.0.0.5")
+API_PORT = 8011
+
+
+class LocalVllmCluster:
+    """Head node (with the API server) and worker nodes as local process groups."""
+
+    def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
+        self.settings = settings or ClusterSettings.from_env()
+        self.up_timeout = up_timeout
+        workers = int(self.settings["TESTBED_WORKERS"])
+        hpu = {"HPU": float(self.settings["TESTBED_HPU_PER_NODE"])}
+        self.ray = LocalRayCluster(
+            [RayNodeSpec(HEAD_IP, resources=hpu), *(RayNodeSpec(ip, resources=hpu) for ip in WORKER_IPS[:workers])]
+        )
+        self._server: subprocess.Popen[bytes] | None = None
+        self._log = Path(tempfile.mkstemp(prefix="testbed-api-", suffix=".log")[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HEAD_IP}:{API_PORT}/v1"
+
+    def up(self) -> float:
+        """Start Ray nodes and the API server; wait (bounded) for ``/health``; return seconds."""
+        start = time.monotonic()
+        model_dir = REPO_ROOT / ".cache" / "model" / "tiny-llama"
+        build(model_dir)
+        self.ray.start()
+        values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
+        argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
+        env = {**os.environ, **values, "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP}
+        with open(self._log, "wb") as out:
+            self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        self._wait_healthy(start + self.up_timeout)
+        return time.monotonic() - start
+
+    def _wait_healthy(self, deadline: float) -> None:
+        url = self.base_url.removesuffix("/v1") + "/health"
+        while time.monotonic() < deadline:
+            assert self._server is not None
+            if self._server.poll() is not None:
+                raise ClusterStartError(f"API server exited ({self._server.returncode})\n{self.logs(tail=60)}")
+            try:
+                with urllib.request.urlopen(url, timeout=3) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        raise ClusterStartError(f"API server not healthy within {self.up_timeout:.0f} s\n{self.logs(tail=60)}")
+
+    def down(self) -> None:
+        if self._server is not None and self._server.poll() is None:
+            os.killpg(self._server.pid, signal.SIGTERM)
+            try:
+                self._server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._server.pid, signal.SIGKILL)
+                self._server.wait(timeout=10)
+        self._server = None
+        self.ray.stop()
+
+    def __enter__(self) -> "LocalVllmCluster":
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def logs(self, service: str | None = None, tail: int | None = None) -> str:
+        lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
+        return "\n".join(lines[-tail:] if tail else lines)
+
+    def placement(self) -> list[RankPlacement]:
+        nodes = {HEAD_IP: "head", **{ip: f"worker-{i + 1}" for i, ip in enumerate(WORKER_IPS)}}
+        return parse_placement(self.logs(), nodes, driver_ip=HEAD_IP)
+
+    def mode_lines(self) -> list[str]:
+        return parse_mode_lines(self.logs())
+
+    def kill(self, service: str) -> None:
+        self.ray.kill_node(0 if service == "head" else 1)

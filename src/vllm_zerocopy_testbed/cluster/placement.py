@@ -1,0 +1,59 @@
+"""Where vLLM's ranks run and which modes each process has, read from server logs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+# vLLM logs each rank's place; Ray prefixes a worker's lines with "(Actor pid=N, ip=IP)",
+# leaving the IP out for workers on the driver's own node.
+_RANK_LINE = re.compile(
+    r"\(\w+ pid=\d+(?:, ip=(?P<ip>[\d.]+))?\).*?rank (?P<rank>\d+) in world size \d+ is assigned as "
+    r"DP rank \d+, PP rank (?P<pp>\d+),.*?TP rank (?P<tp>\d+)"
+)
+_MODES_LINE = re.compile(r"testbed modes pid=\d+ role=\S+ broadcast=\S+ detach=\S+")
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one vLLM worker rank runs."""
+
+    rank: int
+    ip: str
+    node: str
+    pp_rank: int
+    tp_rank: int
+
+
+def parse_placement(log: str, node_by_ip: Mapping[str, str], driver_ip: str) -> list[RankPlacement]:
+    """Return each rank's placement found in ``log`` (latest line per rank), by rank.
+
+    ``driver_ip`` is the node of the engine that logged: its workers carry no IP.
+    """
+    ranks: dict[int, RankPlacement] = {}
+    for match in _RANK_LINE.finditer(log):
+        rank, ip = int(match["rank"]), match["ip"] or driver_ip
+        ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), int(match["pp"]), int(match["tp"]))
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def parse_mode_lines(log: str) -> list[str]:
+    """Return every process's ``testbed modes`` line in ``log``."""
+    return [line.strip() for line in log.splitlines() if _MODES_LINE.search(line)]
+
+
+def describe(base_url: str, model: str, placement: list[RankPlacement], mode_lines: list[str]) -> str:
+    """Return the report ``make up`` prints: API, ranks per PP stage, modes per process."""
+    lines = [f"API: {base_url} (model {model})"]
+    stages: dict[int, list[RankPlacement]] = {}
+    for placed in placement:
+        stages.setdefault(placed.pp_rank, []).append(placed)
+    for stage, ranks in sorted(stages.items()):
+        where = ", ".join(f"rank {r.rank} (TP {r.tp_rank}) on {r.node} {r.ip}" for r in ranks)
+        lines.append(f"PP stage {stage}: {where}")
+    if not stages:
+        lines.append("PP stages: not found in the head's log (yet)")
+    lines.append("patch modes per process:")
+    lines += [f"  {line}" for line in mode_lines]
+    return "\n".join(lines)

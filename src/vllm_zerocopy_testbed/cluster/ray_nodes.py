@@ -1,0 +1,63 @@
+"""How many Ray nodes are alive, and a bounded wait for them (also a CLI for containers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Mapping
+
+_PROBE = (
+    "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
+    "print(sum(1 for n in ray.nodes() if n['Alive']))"
+)
+
+
+def alive_nodes(address: str, env: Mapping[str, str] | None = None) -> int:
+    """Return how many nodes the GCS at ``address`` reports alive (0 if it does not answer).
+
+    Asked from a child process so that this one never joins the cluster.
+    """
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE, address],
+            env=dict(os.environ if env is None else env),
+            capture_output=True,
+            timeout=30,
+            text=True,
+        )
+    except subprocess.TimeoutExpired:
+        return 0
+    lines = out.stdout.strip().splitlines()
+    return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+def wait_for_nodes(address: str, count: int, timeout: float, env: Mapping[str, str] | None = None) -> int:
+    """Wait until ``count`` nodes are alive; return the count, or raise ``TimeoutError``."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        seen = alive_nodes(address, env)
+        if seen >= count:
+            return seen
+        time.sleep(1.0)
+    raise TimeoutError(f"{seen} of {count} Ray nodes alive at {address} after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Wait until N Ray nodes are alive.")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    try:
+        seen = wait_for_nodes(args.address, args.count, args.timeout)
+    except TimeoutError as exc:
+        sys.exit(f"testbed: {exc}: are the worker containers up? (make logs)")
+    print(f"testbed: {seen} Ray nodes alive")
+
+
+if __name__ == "__main__":
+    main()

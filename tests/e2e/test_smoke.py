@@ -1,0 +1,53 @@
+"""One completion with logprobs and one with prompt_embeds through the real cluster."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+from openai import OpenAI
+
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.model import build
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smoke, pytest.mark.timeout(1500)]
+
+PROMPT = "Pipeline parallel stages pass hidden states"
+# The first request compiles helper ops on one core (~40 s measured); later ones take ~1 s.
+REQUEST_TIMEOUT_S = 180
+
+
+def _embeds_of(prompt: str) -> tuple[list[int], str]:
+    """Return the prompt's token ids and base64 of ``torch.save`` of their embedding rows."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    model_dir = REPO_ROOT / ".cache" / "model" / "tiny-llama"
+    build(model_dir)  # same bytes as the image's /model (deterministic builder)
+    ids = AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
+    rows = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"][ids]
+    buffer = io.BytesIO()
+    torch.save(rows.clone(), buffer)
+    return ids, base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_logprobs_and_prompt_embeds_answer_the_same(cluster) -> None:
+    client = OpenAI(base_url=cluster.base_url, api_key="testbed", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    model = cluster.settings["TESTBED_SERVED_MODEL"]
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5)
+    choice = by_text.choices[0]
+    assert len(choice.logprobs.tokens) == 8
+    assert all(len(top) == 5 for top in choice.logprobs.top_logprobs), "5 logprobs per position"
+
+    _, embeds = _embeds_of(PROMPT)
+    by_embeds = client.completions.create(model=model, prompt=None, max_tokens=8, temperature=0, logprobs=5,
+                                          extra_body={"prompt_embeds": embeds})
+    assert by_embeds.choices[0].logprobs.tokens == choice.logprobs.tokens
+    assert by_embeds.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+
+
+def test_stages_run_on_different_containers(cluster) -> None:
+    stages = {placed.pp_rank: placed.node for placed in cluster.placement()}
+    assert sorted(stages) == [0, 1] and stages[0] != stages[1], cluster.placement()

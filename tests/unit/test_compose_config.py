@@ -1,0 +1,50 @@
+"""The compose file as Compose renders it: exposure, isolation and pinning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_zerocopy_testbed.config import COMPOSE_DIR, ClusterSettings
+
+pytestmark = pytest.mark.unit
+
+
+def _rendered(**overrides: str) -> dict:
+    compose = Path(sys.executable).with_name("docker-compose")
+    env = {**os.environ, **ClusterSettings.from_env().values, **overrides}
+    out = subprocess.run([str(compose), "-f", str(COMPOSE_DIR / "compose.yaml"), "config", "--format", "json"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_only_the_api_is_published_and_only_on_loopback() -> None:
+    services = _rendered()["services"]
+    assert [p["host_ip"] for p in services["head"]["ports"]] == ["127.0.0.1"]
+    assert "ports" not in services["worker"]
+
+
+def test_nodes_are_isolated_and_pinned_to_one_core_each() -> None:
+    services = _rendered()["services"]
+    for name, service in services.items():
+        assert not service.get("privileged"), name
+        assert service.get("ipc") in (None, "", "private", "shareable"), f"{name} shares the host's IPC"
+        assert service["pull_policy"] == "never", name
+    assert services["head"]["cpuset"] != services["worker"]["cpuset"]
+
+
+def test_the_network_is_ours_with_a_fixed_subnet() -> None:
+    networks = _rendered()["networks"]
+    assert networks["testbed"]["ipam"]["config"][0]["subnet"] == "172.29.77.0/24"
+
+
+def test_modes_reach_every_node() -> None:
+    services = _rendered(TESTBED_BROADCAST="off", TESTBED_DETACH="upstream")["services"]
+    for service in services.values():
+        assert service["environment"]["TESTBED_BROADCAST"] == "off"
+        assert service["environment"]["TESTBED_DETACH"] == "upstream"
