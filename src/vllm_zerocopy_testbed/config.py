@@ -134,3 +134,16 @@ class ClusterSettings:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}/v1"
+
+
+CLUSTER_ENV = "TESTBED_CLUSTER"
+CLUSTER_BACKENDS = ("compose", "local")
+
+
+def cluster_backend(env: Mapping[str, str] | None = None) -> str:
+    """Return the cluster backend the suites use: ``compose`` (default) or ``local``."""
+    env = os.environ if env is None else env
+    backend = env.get(CLUSTER_ENV, "compose").strip().lower()
+    if backend not in CLUSTER_BACKENDS:
+        raise ConfigError(f"{CLUSTER_ENV}={backend!r} is invalid; use one of: {', '.join(CLUSTER_BACKENDS)}")
+    return backend

@@ -34,3 +34,11 @@ def test_bad_values_name_the_valid_ones(env, names) -> None:
         TestbedConfig.from_env(env)
     for name in names:
         assert name in str(info.value)
+
+
+def test_cluster_backend_is_one_knob() -> None:
+    from vllm_zerocopy_testbed.config import cluster_backend
+
+    assert cluster_backend({}) == "compose" and cluster_backend({"TESTBED_CLUSTER": "local"}) == "local"
+    with pytest.raises(ConfigError, match="compose, local"):
+        cluster_backend({"TESTBED_CLUSTER": "k8s"})

@@ -82,12 +82,35 @@ class ComposeCluster:
         self._remove_stopped_leftovers()
         proc = self.compose("up", "-d", "--wait", "--wait-timeout", str(int(self.up_timeout)),
                             timeout=self.up_timeout + 60, check=False)
-        if proc.returncode != 0:
+        # `up --wait` has returned 0 while the head was still starting and then exited:
+        # check every container ourselves.
+        unhealthy = self.unhealthy() if proc.returncode == 0 else {"compose": proc.stderr[-1500:]}
+        if unhealthy:
             raise ClusterStartError(
-                f"cluster not healthy within {self.up_timeout:.0f} s:\n{proc.stderr[-1500:]}\n"
+                f"cluster not healthy within {self.up_timeout:.0f} s: {unhealthy}\n"
                 f"--- last log lines ---\n{self.logs(tail=60)}\n(`make down` removes it)"
             )
         return time.monotonic() - start
+
+    def is_running(self) -> bool:
+        """Return whether every container of ours is up and healthy (e.g. after ``make up``)."""
+        try:
+            return not self.unhealthy()
+        except (RuntimeError, TimeoutError, FileNotFoundError):  # no engine, no compose
+            return False
+
+    def unhealthy(self) -> dict[str, str]:
+        """Return container name -> state for every container of ours not running and healthy."""
+        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
+        if not ids:
+            return {"project": "no containers"}
+        bad = {}
+        for info in json.loads(self._run(["docker", "inspect", *ids], timeout=30).stdout):
+            state = info["State"]
+            health = (state.get("Health") or {}).get("Status", "healthy")
+            if state["Status"] != "running" or health != "healthy":
+                bad[info["Name"].lstrip("/")] = f"{state['Status']} ({health}, exit code {state['ExitCode']})"
+        return bad
 
     def _remove_stopped_leftovers(self) -> None:
         """Remove our project's containers left stopped (e.g. by a restarted dockerd)."""
@@ -139,7 +162,7 @@ class ComposeCluster:
     def placement(self) -> list[RankPlacement]:
         """Return where each vLLM rank runs, from the head's log."""
         by_ip = {ip: name for name, ip in self.containers().items()}
-        return parse_placement(self.logs("head"), by_ip, driver_ip=HEAD_IP)
+        return parse_placement(self.logs("head"), by_ip, HEAD_IP, int(self.settings["TESTBED_TP"]))
 
     def mode_lines(self) -> list[str]:
         """Return every process's ``testbed modes`` line, with its log prefix."""

@@ -46,6 +46,10 @@ class LocalVllmCluster:
     def base_url(self) -> str:
         return f"http://{HEAD_IP}:{API_PORT}/v1"
 
+    def is_running(self) -> bool:
+        """Return whether this object's server is up (a local cluster is never shared)."""
+        return self._server is not None and self._server.poll() is None
+
     def up(self) -> float:
         """Start Ray nodes and the API server; wait (bounded) for ``/health``; return seconds."""
         start = time.monotonic()
@@ -104,7 +108,7 @@ class LocalVllmCluster:
 
     def placement(self) -> list[RankPlacement]:
         nodes = {HEAD_IP: "head", **{ip: f"worker-{i + 1}" for i, ip in enumerate(WORKER_IPS)}}
-        return parse_placement(self.logs(), nodes, driver_ip=HEAD_IP)
+        return parse_placement(self.logs(), nodes, HEAD_IP, int(self.settings["TESTBED_TP"]))
 
     def mode_lines(self) -> list[str]:
         return parse_mode_lines(self.logs())

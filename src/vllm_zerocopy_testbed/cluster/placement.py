@@ -6,12 +6,10 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-# vLLM logs each rank's place; Ray prefixes a worker's lines with "(Actor pid=N, ip=IP)",
-# leaving the IP out for workers on the driver's own node.
-_RANK_LINE = re.compile(
-    r"\(\w+ pid=\d+(?:, ip=(?P<ip>[\d.]+))?\).*?rank (?P<rank>\d+) in world size \d+ is assigned as "
-    r"DP rank \d+, PP rank (?P<pp>\d+),.*?TP rank (?P<tp>\d+)"
-)
+# Every rank logs "world_size=W rank=R local_rank=L ..." (the "is assigned as" line only
+# on local rank 0); Ray prefixes a worker's lines with "(Actor pid=N, ip=IP)", leaving the
+# IP out for workers on the driver's own node.
+_RANK_LINE = re.compile(r"\(\w+ pid=\d+(?:, ip=(?P<ip>[\d.]+))?\).*?world_size=\d+ rank=(?P<rank>\d+) local_rank=")
 _MODES_LINE = re.compile(r"testbed modes pid=\d+ role=\S+ broadcast=\S+ detach=\S+")
 
 
@@ -26,15 +24,16 @@ class RankPlacement:
     tp_rank: int
 
 
-def parse_placement(log: str, node_by_ip: Mapping[str, str], driver_ip: str) -> list[RankPlacement]:
+def parse_placement(log: str, node_by_ip: Mapping[str, str], driver_ip: str, tp_size: int) -> list[RankPlacement]:
     """Return each rank's placement found in ``log`` (latest line per rank), by rank.
 
     ``driver_ip`` is the node of the engine that logged: its workers carry no IP.
+    vLLM lays ranks out TP-innermost: PP stage = rank // TP, TP rank = rank % TP.
     """
     ranks: dict[int, RankPlacement] = {}
     for match in _RANK_LINE.finditer(log):
         rank, ip = int(match["rank"]), match["ip"] or driver_ip
-        ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), int(match["pp"]), int(match["tp"]))
+        ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), rank // tp_size, rank % tp_size)
     return [ranks[r] for r in sorted(ranks)]
 
 
