@@ -48,6 +48,11 @@ def test_logprobs_and_prompt_embeds_answer_the_same(cluster) -> None:
     assert by_embeds.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
 
 
-def test_stages_run_on_different_containers(cluster) -> None:
-    stages = {placed.pp_rank: placed.node for placed in cluster.placement()}
-    assert sorted(stages) == [0, 1] and stages[0] != stages[1], cluster.placement()
+def test_each_stage_runs_on_its_own_node(cluster) -> None:
+    """TP ranks share a node (shm all-reduce); PP stages cross nodes (the transport under test)."""
+    placement = cluster.placement()
+    tp, pp = int(cluster.settings["TESTBED_TP"]), int(cluster.settings["TESTBED_PP"])
+    assert len(placement) == tp * pp, placement
+    nodes = {stage: {p.node for p in placement if p.pp_rank == stage} for stage in range(pp)}
+    assert all(len(n) == 1 for n in nodes.values()), f"a stage spans nodes: {nodes}"
+    assert len({next(iter(n)) for n in nodes.values()}) == pp, f"stages share a node: {nodes}"

@@ -58,7 +58,8 @@ class LocalVllmCluster:
         self.ray.start()
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
-        env = {**os.environ, **values, "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP}
+        env = {**os.environ, **values, "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
+               "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
         with open(self._log, "wb") as out:
             self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
