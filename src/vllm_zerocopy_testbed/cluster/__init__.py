@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.config import cluster_backend
 
 
-def cluster_from_env(up_timeout: float = 600.0) -> Any:
+def cluster_from_env(up_timeout: float = 600.0) -> Cluster:
     """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names."""
     if cluster_backend() == "local":
         from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from vllm_zerocopy_testbed.cluster.local_ray import ClusterStartError
+from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
 from vllm_zerocopy_testbed.config import COMPOSE_DIR, REPO_ROOT, ClusterSettings
 
@@ -28,7 +28,7 @@ LOCAL_BASE_IMAGE = "testbed-base:bookworm"
 NETWORK = "testbed"
 HEAD_IP = "172.29.77.10"  # fixed in compose.yaml
 
-class ComposeCluster:
+class ComposeCluster(Cluster):
     """Our compose project; a context manager that always brings it down."""
 
     def __init__(
@@ -124,17 +124,6 @@ class ComposeCluster:
         """Remove our containers and network (bounded)."""
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10",
                      timeout=self.down_timeout, check=False)
-
-    def __enter__(self) -> "ComposeCluster":
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
 
     # -- what the suites ask ---------------------------------------------
     @property

@@ -22,13 +22,10 @@ from pathlib import Path
 from typing import Mapping
 
 from vllm_zerocopy_testbed.cluster import ray_nodes
+from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 
 logger = logging.getLogger(__name__)
-
-
-class ClusterStartError(RuntimeError):
-    """A cluster did not come up within its bound; the message carries the logs' tail."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from vllm_zerocopy_testbed.cluster.local_ray import ClusterStartError, LocalRayCluster, RayNodeSpec
+from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
+from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_placement, parse_mode_lines
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
@@ -28,7 +29,7 @@ WORKER_IPS = ("127.0.0.2", "127.0.0.4", "127.0.0.5")
 API_PORT = 8011
 
 
-class LocalVllmCluster:
+class LocalVllmCluster(Cluster):
     """Head node (with the API server) and worker nodes as local process groups."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
@@ -91,17 +92,6 @@ class LocalVllmCluster:
                 self._server.wait(timeout=10)
         self._server = None
         self.ray.stop()
-
-    def __enter__(self) -> "LocalVllmCluster":
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
 
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
         lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []

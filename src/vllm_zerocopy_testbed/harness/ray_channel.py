@@ -95,7 +95,9 @@ def _producer_class() -> Any:
     @ray.remote(num_cpus=0)
     class OutputProducer:
         def __init__(self, shape: OutputShape) -> None:
-            import vllm.v1.outputs  # noqa: F401  (import cost off the first step)
+            import importlib
+
+            importlib.import_module("vllm.v1.outputs")  # import cost off the first step
 
             self.shape = shape
 
