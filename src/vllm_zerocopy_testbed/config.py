@@ -46,6 +46,8 @@ PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
 # V2 executor and the compiled-graph executor: Ray's compiled graphs treat a
 # `GPU` resource as CUDA and fail on CPU (see docs/cpu-platform.md).
 RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
+# Local backend only: the engine joins Ray as this node (see plugins/general.py).
+RAY_DRIVER_IP_ENV = "TESTBED_RAY_DRIVER_IP"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class TestbedConfig:
     communicator: CommunicatorChoice = CommunicatorChoice.HOST_AWARE
     cpu_platform: bool = True
     ray_device_key: str = "HPU"
+    ray_driver_ip: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -83,6 +86,7 @@ class TestbedConfig:
             communicator=communicator,
             cpu_platform=platform_raw == "on",
             ray_device_key=key,
+            ray_driver_ip=env.get(RAY_DRIVER_IP_ENV) or None,
         )
 
 

@@ -21,6 +21,7 @@ from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_placement, parse_mode_lines
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
+from vllm_zerocopy_testbed.cluster.warmup import warm_up
 from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
 from vllm_zerocopy_testbed.model import build
 
@@ -60,11 +61,15 @@ class LocalVllmCluster(Cluster):
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
         env = {**os.environ, **values, "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
+               "TESTBED_RAY_DRIVER_IP": HEAD_IP,  # the engine is the head node's driver
                "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
         with open(self._log, "wb") as out:
             self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         self._wait_healthy(start + self.up_timeout)
+        # Up means warmed up, as in the compose head: the first request compiles.
+        warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
+                timeout=max(1.0, start + self.up_timeout - time.monotonic()))
         return time.monotonic() - start
 
     def _wait_healthy(self, deadline: float) -> None:

@@ -33,7 +33,24 @@ def register() -> None:
     """Apply the configured modes; a bad value stops vLLM with a message naming valid ones."""
     config = TestbedConfig.from_env()
     modes = apply_modes(config)
+    if config.ray_driver_ip and process_role() == "engine-core":
+        _join_ray_as(config.ray_driver_ip)
     _mode_logger().info("testbed modes pid=%d role=%s %s", os.getpid(), process_role(), modes)
+
+
+def _join_ray_as(node_ip: str) -> None:
+    """Connect this engine to Ray as the node at ``node_ip`` before vLLM connects it.
+
+    With Ray nodes on loopback addresses, ``ray.init("auto")`` derives the
+    driver's address from the route (127.0.0.1, which Ray rewrites), attaches
+    to no node of ours, and vLLM then orders its placement bundles without the
+    driver's node first: TP groups can span nodes. vLLM skips its own
+    ``ray.init`` when Ray is already initialized.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), _node_ip_address=node_ip)
 
 
 def _mode_logger() -> logging.Logger:
