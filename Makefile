@@ -12,16 +12,19 @@ PYTEST_ARGS ?=
 BASE_IMAGE ?= testbed-base:bookworm
 export BASE_IMAGE
 CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
+# The local backend (TESTBED_CLUSTER=local) needs neither Docker nor the image.
+E2E_DEPS := $(if $(filter local,$(TESTBED_CLUSTER)),$(STAMP),image)
 COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml
 
 PHONY_TESTS := test test-core test-smoke e2e
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image up down logs ps
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
 	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH = upstream | off | testbed (default)"
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
+	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker); knobs in compose/.env"
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,10 +42,10 @@ test: test-core test-smoke ## everything CI runs: unit + component, then the e2e
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
-e2e: image ## the main job: bring the compose cluster up, run the e2e suites against it, bring it down
+e2e: $(E2E_DEPS) ## the main job: e2e suites against the cluster (brought up and down unless already up)
 	$(PYTHON) -m pytest -m e2e $(PYTEST_ARGS)
 
-test-smoke: image ## bring the compose cluster up, one logprobs + one prompt_embeds request, down
+test-smoke: $(E2E_DEPS) ## the e2e smoke test: one logprobs + one prompt_embeds request, stage placement
 	$(PYTHON) -m pytest -m smoke $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
