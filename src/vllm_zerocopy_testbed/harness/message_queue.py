@@ -120,7 +120,8 @@ def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int]
     return pickle.loads(frames[0], buffers=frames[1:]), sizes
 
 
-def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool) -> None:
+def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
+                 ack_only: bool = False) -> None:
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     mq = MessageQueue.create_from_handle(handle, rank)
@@ -133,6 +134,9 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
             return
         if frame_sizes is not None:
             results.put((rank, {"frames": frame_sizes}))
+            continue
+        if ack_only:  # benchmarks: the message is rebuilt (loads), nothing is hashed
+            results.put((rank, {}))
             continue
         not_writable = any("not writable" in str(w.message) for w in caught)
         report = {}
@@ -153,10 +157,12 @@ class MessageQueueHarness:
         mode: PatchMode,
         timeout: float = 60.0,
         wire_report: bool = False,
+        ack_only: bool = False,
     ) -> None:
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
+        self.ack_only = ack_only
         self.topology = topology
         self.mode = mode
         self.timeout = timeout
@@ -182,7 +188,7 @@ class MessageQueueHarness:
             for rank in range(1, topo.readers + 1):
                 proc = self._ctx.Process(
                     target=_reader_main,
-                    args=(handle, rank, self._results, self.timeout, self.wire_report),
+                    args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )

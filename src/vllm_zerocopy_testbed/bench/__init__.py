@@ -1,0 +1,1 @@
+"""Benchmarks: figures measured as ratios within one run."""
