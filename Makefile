@@ -5,7 +5,6 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.testbed-setup
-MODEL_DIR ?= .cache/model/tiny-llama
 PYTEST_ARGS ?=
 # Base of the node image: built locally (no registry needed) unless you name a public one,
 # e.g. BASE_IMAGE=python:3.11-slim-bookworm.
@@ -55,7 +54,7 @@ test-component: $(STAMP) ## component tests: MessageQueue across processes, Ray 
 	$(PYTHON) -m pytest -m component $(PYTEST_ARGS)
 
 model: $(STAMP) ## build the tiny deterministic Llama (.cache/model/tiny-llama) and print its checksum
-	$(PYTHON) -m vllm_zerocopy_testbed.model --out $(MODEL_DIR)
+	$(PYTHON) -m vllm_zerocopy_testbed.model
 
 docker: ## make a Docker engine reachable (starts dockerd as root if none answers)
 	scripts/ensure-docker.sh

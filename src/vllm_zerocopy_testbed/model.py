@@ -18,6 +18,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SEED = 20261129
+# Where the host keeps the model (the node image builds its own copy at /model).
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "model" / "tiny-llama"
 _MARKER = "testbed-model.json"
 
 
@@ -138,7 +140,7 @@ def build(out: Path, spec: TinyModelSpec = TinyModelSpec()) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the testbed's tiny deterministic Llama.")
-    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="directory to write")
     parser.add_argument("--max-positions", type=int, default=TinyModelSpec.max_positions)
     args = parser.parse_args(argv)
     digest = build(args.out, TinyModelSpec(max_positions=args.max_positions))

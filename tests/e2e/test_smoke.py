@@ -9,8 +9,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from vllm_zerocopy_testbed.config import REPO_ROOT
-from vllm_zerocopy_testbed.model import build
+from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smoke, pytest.mark.timeout(1500)]
 
@@ -24,7 +23,7 @@ def _embeds_of(prompt: str) -> tuple[list[int], str]:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    model_dir = REPO_ROOT / ".cache" / "model" / "tiny-llama"
+    model_dir = DEFAULT_DIR
     build(model_dir)  # same bytes as the image's /model (deterministic builder)
     ids = AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
     rows = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"][ids]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.cluster.placement import describe, parse_mode_lines, parse_placement
+from vllm_zerocopy_testbed.cluster.placement import describe, parse_mode_lines, parse_placement, parse_placement_by_pid
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +33,18 @@ def test_mode_lines_and_report() -> None:
                       parse_placement(HEAD_LOG, NODES, "172.29.77.10", 2), lines)
     assert "PP stage 0: rank 0 (TP 0) on head-1 172.29.77.10, rank 1 (TP 1) on head-1" in report
     assert "PP stage 1: rank 2 (TP 0) on worker-1 172.29.77.2" in report
+
+
+# Local backend: both nodes' log monitors tail one directory, so every worker line comes
+# twice, with either node's tag; only vLLM's pid and the worker's own node= are reliable.
+LOCAL_LOG = """\
+\x1b[36m(RayWorkerProc pid=29565)\x1b[0m INFO 11-29 20:56:20 [testbed] testbed modes pid=29565 role=ray-worker broadcast=testbed detach=testbed node=127.0.0.3
+\x1b[36m(RayWorkerProc pid=29541, ip=127.0.0.2)\x1b[0m INFO 11-29 20:56:20 [testbed] testbed modes pid=29541 role=ray-worker broadcast=testbed detach=testbed node=127.0.0.2
+\x1b[36m(RayWorkerProc pid=29565, ip=127.0.0.2)\x1b[0m (Worker pid=29565) INFO 11-29 20:56:22 [parallel_state.py:1906] world_size=4 rank=1 local_rank=1 distributed_init_method=tcp://127.0.0.3:36597 backend=gloo
+\x1b[36m(RayWorkerProc pid=29541)\x1b[0m (Worker pid=29541) INFO 11-29 20:56:23 [parallel_state.py:1906] world_size=4 rank=2 local_rank=0 distributed_init_method=tcp://127.0.0.3:36597 backend=gloo
+"""
+
+
+def test_local_placement_joins_vllm_rank_lines_with_the_workers_own_node() -> None:
+    placed = parse_placement_by_pid(LOCAL_LOG, {"127.0.0.3": "head", "127.0.0.2": "worker-1"}, tp_size=2)
+    assert [(p.rank, p.node, p.pp_rank) for p in placed] == [(1, "head", 0), (2, "worker-1", 1)]

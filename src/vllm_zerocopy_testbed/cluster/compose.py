@@ -99,13 +99,18 @@ class ComposeCluster(Cluster):
         except (RuntimeError, TimeoutError, FileNotFoundError):  # no engine, no compose
             return False
 
+    def _inspect(self) -> list[dict]:
+        """Return ``docker inspect`` of every container of our project (running or not)."""
+        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
+        return json.loads(self._run(["docker", "inspect", *ids], timeout=30).stdout) if ids else []
+
     def unhealthy(self) -> dict[str, str]:
         """Return container name -> state for every container of ours not running and healthy."""
-        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
-        if not ids:
+        infos = self._inspect()
+        if not infos:
             return {"project": "no containers"}
         bad = {}
-        for info in json.loads(self._run(["docker", "inspect", *ids], timeout=30).stdout):
+        for info in infos:
             state = info["State"]
             health = (state.get("Health") or {}).get("Status", "healthy")
             if state["Status"] != "running" or health != "healthy":
@@ -137,12 +142,8 @@ class ComposeCluster(Cluster):
 
     def containers(self) -> dict[str, str]:
         """Return container name -> its IP on our network, for every container of the project."""
-        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
-        if not ids:
-            return {}
-        proc = self._run(["docker", "inspect", *ids], timeout=30)
         found = {}
-        for info in json.loads(proc.stdout):
+        for info in self._inspect():
             networks = info["NetworkSettings"]["Networks"]
             ip = next((n["IPAddress"] for name, n in networks.items() if name.endswith(NETWORK)), "")
             found[info["Name"].lstrip("/")] = ip

@@ -95,6 +95,7 @@ class LocalRayCluster:
         self._shm = ShmSnapshot.take()
         # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
         self._workdir = Path(tempfile.mkdtemp(prefix="rtb", dir="/tmp"))
+        self._logs = []
         try:
             for index, node in enumerate(self.nodes):
                 self._start_node(index, node)
@@ -124,21 +125,17 @@ class LocalRayCluster:
         self._procs.append(proc)
         logger.info("ray node %d on %s: pid %d", index, node.ip, proc.pid)
 
-    def alive_nodes(self) -> int:
-        """Return how many nodes the head's GCS reports alive (0 if it does not answer)."""
-        return ray_nodes.alive_nodes(self.address, self.env)
-
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Wait until ``count`` nodes are alive; raise with the nodes' logs after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def exited() -> str | None:
             dead = [p.pid for p in self._procs if p.poll() is not None]
-            if dead:
-                raise ClusterStartError(f"ray node process(es) {dead} exited\n{self.logs_tail()}")
-            if self.alive_nodes() >= count:
-                return
-            time.sleep(1.0)
-        raise ClusterStartError(f"{count} Ray nodes not alive after {timeout} s\n{self.logs_tail()}")
+            return f"ray node process(es) {dead} exited" if dead else None
+
+        try:
+            ray_nodes.wait_for_nodes(self.address, count, timeout, self.env, abort=exited)
+        except (RuntimeError, TimeoutError) as exc:
+            raise ClusterStartError(f"{exc}\n{self.logs_tail()}") from None
 
     def logs_tail(self, lines: int = 30) -> str:
         parts = []

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
-from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_placement, parse_mode_lines
+from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.warmup import warm_up
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
-from vllm_zerocopy_testbed.model import build
+from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
 HEAD_IP = "127.0.0.3"
 WORKER_IPS = ("127.0.0.2", "127.0.0.4", "127.0.0.5")
@@ -55,7 +55,7 @@ class LocalVllmCluster(Cluster):
     def up(self) -> float:
         """Start Ray nodes and the API server; wait (bounded) for ``/health``; return seconds."""
         start = time.monotonic()
-        model_dir = REPO_ROOT / ".cache" / "model" / "tiny-llama"
+        model_dir = DEFAULT_DIR
         build(model_dir)
         self.ray.start()
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
@@ -104,7 +104,7 @@ class LocalVllmCluster(Cluster):
 
     def placement(self) -> list[RankPlacement]:
         nodes = {HEAD_IP: "head", **{ip: f"worker-{i + 1}" for i, ip in enumerate(WORKER_IPS)}}
-        return parse_placement(self.logs(), nodes, HEAD_IP, int(self.settings["TESTBED_TP"]))
+        return parse_placement_by_pid(self.logs(), nodes, int(self.settings["TESTBED_TP"]))
 
     def mode_lines(self) -> list[str]:
         return parse_mode_lines(self.logs())

@@ -10,6 +10,9 @@ from typing import Mapping
 # on local rank 0); Ray prefixes a worker's lines with "(Actor pid=N, ip=IP)", leaving the
 # IP out for workers on the driver's own node.
 _RANK_LINE = re.compile(r"\(\w+ pid=\d+(?:, ip=(?P<ip>[\d.]+))?\).*?world_size=\d+ rank=(?P<rank>\d+) local_rank=")
+# vLLM's own prefix names the worker process: "(Worker pid=N)" or "(Worker_PP1_TP0 pid=N)".
+_VLLM_RANK_LINE = re.compile(r"\(Worker\S* pid=(?P<pid>\d+)\).*?world_size=\d+ rank=(?P<rank>\d+) local_rank=")
+_WORKER_NODE_LINE = re.compile(r"testbed modes pid=(?P<pid>\d+) role=ray-worker .*? node=(?P<ip>[\d.]+)")
 _MODES_LINE = re.compile(r"testbed modes pid=\d+ role=\S+ broadcast=\S+ detach=\S+")
 
 
@@ -33,6 +36,20 @@ def parse_placement(log: str, node_by_ip: Mapping[str, str], driver_ip: str, tp_
     ranks: dict[int, RankPlacement] = {}
     for match in _RANK_LINE.finditer(log):
         rank, ip = int(match["rank"]), match["ip"] or driver_ip
+        ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), rank // tp_size, rank % tp_size)
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def parse_placement_by_pid(log: str, node_by_ip: Mapping[str, str], tp_size: int) -> list[RankPlacement]:
+    """Return each rank's placement by joining, on pid, vLLM's rank line and our mode line.
+
+    For nodes on one machine (local backend), where pids are unique and Ray's
+    ``ip=`` tag is not: every node's log monitor tails the shared log directory.
+    """
+    ip_by_pid = {m["pid"]: m["ip"] for m in _WORKER_NODE_LINE.finditer(log)}
+    ranks: dict[int, RankPlacement] = {}
+    for match in _VLLM_RANK_LINE.finditer(log):
+        rank, ip = int(match["rank"]), ip_by_pid.get(match["pid"], "?")
         ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), rank // tp_size, rank % tp_size)
     return [ranks[r] for r in sorted(ranks)]
 

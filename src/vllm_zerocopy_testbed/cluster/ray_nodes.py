@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 _PROBE = (
     "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
@@ -34,11 +34,24 @@ def alive_nodes(address: str, env: Mapping[str, str] | None = None) -> int:
     return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
 
 
-def wait_for_nodes(address: str, count: int, timeout: float, env: Mapping[str, str] | None = None) -> int:
-    """Wait until ``count`` nodes are alive; return the count, or raise ``TimeoutError``."""
+def wait_for_nodes(
+    address: str,
+    count: int,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    abort: Callable[[], str | None] = lambda: None,
+) -> int:
+    """Wait until ``count`` nodes are alive; return the count, or raise ``TimeoutError``.
+
+    ``abort`` is asked on every poll; a message from it ends the wait early
+    (``RuntimeError``), e.g. when a node process we started has exited.
+    """
     deadline = time.monotonic() + timeout
     seen = 0
     while time.monotonic() < deadline:
+        reason = abort()
+        if reason:
+            raise RuntimeError(reason)
         seen = alive_nodes(address, env)
         if seen >= count:
             return seen

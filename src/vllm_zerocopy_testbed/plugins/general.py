@@ -35,7 +35,17 @@ def register() -> None:
     modes = apply_modes(config)
     if config.ray_driver_ip and process_role() == "engine-core":
         _join_ray_as(config.ray_driver_ip)
-    _mode_logger().info("testbed modes pid=%d role=%s %s", os.getpid(), process_role(), modes)
+    role = process_role()
+    # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
+    # reliable (nodes share a log directory), and placement is read from this.
+    node = f" node={_ray_node_ip()}" if role == "ray-worker" else ""
+    _mode_logger().info("testbed modes pid=%d role=%s %s%s", os.getpid(), role, modes, node)
+
+
+def _ray_node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _join_ray_as(node_ip: str) -> None:
