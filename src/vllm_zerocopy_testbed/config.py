@@ -38,13 +38,36 @@ class CommunicatorChoice(str, enum.Enum):
     STOCK = "stock"  # vLLM's CpuCommunicator as installed
 
 
+class Executor(str, enum.Enum):
+    """Which Ray executor vLLM serves with (one knob, ``TESTBED_EXECUTOR``)."""
+
+    V2 = "v2"  # RayExecutorV2: control plane is the MessageQueue (shm ring + ZMQ)
+    CGRAPH = "cgraph"  # legacy executor: Ray compiled graph, shm channels (the detach bug's home)
+
+    @classmethod
+    def parse(cls, value: str) -> "Executor":
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            valid = ", ".join(e.value for e in cls)
+            raise ConfigError(f"{EXECUTOR_ENV}={value!r} is invalid; use one of: {valid}") from None
+
+    def vllm_env(self) -> dict[str, str]:
+        """Return the vLLM environment variables that select this executor."""
+        if self is Executor.V2:
+            return {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1"}
+        # shm: the NCCL channel type needs CUDA; on CPU only shm channels work
+        return {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0", "VLLM_USE_RAY_COMPILED_DAG_CHANNEL_TYPE": "shm"}
+
+
+EXECUTOR_ENV = "TESTBED_EXECUTOR"
 BROADCAST_ENV = "TESTBED_BROADCAST"
 DETACH_ENV = "TESTBED_DETACH"
 COMMUNICATOR_ENV = "TESTBED_CPU_COMMUNICATOR"
 PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
 # Ray resource name the CPU platform asks for per worker. `HPU` serves both the
 # V2 executor and the compiled-graph executor: Ray's compiled graphs treat a
-# `GPU` resource as CUDA and fail on CPU (see docs/cpu-platform.md).
+# `GPU` resource as CUDA and fail on CPU (see docs/design.md).
 RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
 # Local backend only: the engine joins Ray as this node (see plugins/general.py).
 RAY_DRIVER_IP_ENV = "TESTBED_RAY_DRIVER_IP"
@@ -120,9 +143,14 @@ class ClusterSettings:
         merged = {key: env.get(key, default) for key, default in defaults.items()}
         merged.update({k: v for k, v in env.items() if k.startswith("TESTBED_")})
         settings = cls(merged)
-        # Fail at start, not in a container, on a bad mode.
+        # Fail at start, not in a container, on a bad mode or executor.
         TestbedConfig.from_env(merged)
+        settings.executor
         return settings
+
+    @property
+    def executor(self) -> Executor:
+        return Executor.parse(self.values.get(EXECUTOR_ENV, Executor.V2.value))
 
     def __getitem__(self, key: str) -> str:
         return self.values[key]
@@ -151,3 +179,43 @@ def cluster_backend(env: Mapping[str, str] | None = None) -> str:
     if backend not in CLUSTER_BACKENDS:
         raise ConfigError(f"{CLUSTER_ENV}={backend!r} is invalid; use one of: {', '.join(CLUSTER_BACKENDS)}")
     return backend
+
+
+E2E_EXECUTORS_ENV = "TESTBED_E2E_EXECUTORS"
+E2E_MODES_ENV = "TESTBED_E2E_MODES"
+DEFAULT_E2E_MODES = (PatchMode.TESTBED, PatchMode.UPSTREAM)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One e2e cluster configuration: an executor and the mode of both zero-copy paths."""
+
+    executor: Executor
+    broadcast: PatchMode
+    detach: PatchMode
+
+    def __str__(self) -> str:
+        if self.broadcast is self.detach:
+            return f"{self.executor.value}/{self.broadcast.value}"
+        return f"{self.executor.value}/b-{self.broadcast.value}/d-{self.detach.value}"
+
+    def env(self) -> dict[str, str]:
+        """Return the cluster settings that select this profile."""
+        return {EXECUTOR_ENV: self.executor.value, BROADCAST_ENV: self.broadcast.value,
+                DETACH_ENV: self.detach.value}
+
+
+def e2e_profiles(env: Mapping[str, str] | None = None) -> tuple[list[Profile], bool]:
+    """Return the profiles the e2e suites run, executor by executor, and whether modes were chosen.
+
+    ``TESTBED_E2E_EXECUTORS`` (default ``v2 cgraph``) and ``TESTBED_E2E_MODES``
+    (default ``testbed upstream``; each mode sets both paths). Chosen modes are
+    judged strictly: a known failure is then a red test, not an expected one.
+    """
+    env = os.environ if env is None else env
+    executors = [Executor.parse(v) for v in env.get(E2E_EXECUTORS_ENV, "v2 cgraph").split()]
+    chosen = env.get(E2E_MODES_ENV, "").split()
+    modes = [PatchMode.parse(m, variable=E2E_MODES_ENV) for m in chosen] or list(DEFAULT_E2E_MODES)
+    if not executors:
+        raise ConfigError(f"{E2E_EXECUTORS_ENV} is empty; use v2, cgraph or both")
+    return [Profile(e, m, m) for e in executors for m in modes], bool(chosen)

@@ -33,7 +33,8 @@ class TinyModelSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     vocab_size: int = 512
-    max_positions: int = 512
+    # Room for prompt_embeds past the MessageQueue chunk (2 MiB = 4096 fp32 rows of 128)
+    max_positions: int = 8192
 
     @property
     def head_dim(self) -> int:

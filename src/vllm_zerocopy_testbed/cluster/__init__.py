@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from typing import Mapping
+
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.config import cluster_backend
+from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend
 
 
-def cluster_from_env(up_timeout: float = 600.0) -> Cluster:
-    """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names."""
+def cluster_from_env(up_timeout: float = 600.0, overrides: Mapping[str, str] | None = None) -> Cluster:
+    """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names, settings overridden."""
+    settings = ClusterSettings.from_env({**os.environ, **(overrides or {})})
     if cluster_backend() == "local":
         from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster
 
-        return LocalVllmCluster(up_timeout=up_timeout)
+        return LocalVllmCluster(settings, up_timeout=up_timeout)
     from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
 
-    return ComposeCluster(up_timeout=up_timeout)
+    return ComposeCluster(settings, up_timeout=up_timeout)

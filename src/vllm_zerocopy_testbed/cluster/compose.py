@@ -99,6 +99,14 @@ class ComposeCluster(Cluster):
         except (RuntimeError, TimeoutError, FileNotFoundError):  # no engine, no compose
             return False
 
+    def serves(self, settings: dict[str, str]) -> bool:
+        """Whether our project is up and healthy with the head started under ``settings``."""
+        if not self.is_running():
+            return False
+        heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]
+        env = dict(e.partition("=")[::2] for e in heads[0]["Config"]["Env"]) if heads else {}
+        return all(env.get(k) == v for k, v in settings.items())
+
     def _inspect(self) -> list[dict]:
         """Return ``docker inspect`` of every container of our project (running or not)."""
         ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()

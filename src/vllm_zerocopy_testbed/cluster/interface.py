@@ -38,6 +38,10 @@ class Cluster(ABC):
     def is_running(self) -> bool:
         """Whether the cluster is already up and healthy."""
 
+    def serves(self, settings: dict[str, str]) -> bool:
+        """Whether a cluster is already up, healthy, and configured with ``settings`` (reusable)."""
+        return False
+
     @abstractmethod
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
         """Server and node logs (of one service if named)."""

@@ -20,9 +20,9 @@ from pathlib import Path
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
-from vllm_zerocopy_testbed.cluster.serve import serve_argv
+from vllm_zerocopy_testbed.cluster.serve import serve_argv, serve_env
 from vllm_zerocopy_testbed.cluster.warmup import warm_up
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.config import ClusterSettings, Executor
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
 HEAD_IP = "127.0.0.3"
@@ -60,7 +60,7 @@ class LocalVllmCluster(Cluster):
         self.ray.start()
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
-        env = {**os.environ, **values, "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
+        env = {**os.environ, **values, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
                "TESTBED_RAY_DRIVER_IP": HEAD_IP,  # the engine is the head node's driver
                "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
         with open(self._log, "wb") as out:
@@ -69,7 +69,8 @@ class LocalVllmCluster(Cluster):
         self._wait_healthy(start + self.up_timeout)
         # Up means warmed up, as in the compose head: the first request compiles.
         warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
-                timeout=max(1.0, start + self.up_timeout - time.monotonic()))
+                timeout=max(1.0, start + self.up_timeout - time.monotonic()),
+                logprobs=self.settings.executor is Executor.V2)
         return time.monotonic() - start
 
     def _wait_healthy(self, deadline: float) -> None:

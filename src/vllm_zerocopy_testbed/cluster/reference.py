@@ -1,0 +1,100 @@
+"""The single-process reference: the same model and flags as the cluster, in one process.
+
+The e2e checkers compare the cluster's answers with this server's (tokens must be
+identical) and measure latency budgets relative to it, in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
+from vllm_zerocopy_testbed.cluster.serve import serve_argv
+from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+from vllm_zerocopy_testbed.cluster.warmup import warm_up
+from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+
+HOST = "127.0.0.1"
+PORT = 8021
+
+
+class ReferenceServer:
+    """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager."""
+
+    def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
+        self.settings = settings or ClusterSettings.from_env()
+        self.up_timeout = up_timeout
+        self._server: subprocess.Popen[bytes] | None = None
+        self._log = Path(tempfile.mkstemp(prefix="testbed-reference-", suffix=".log")[1])
+        self._shm = ShmSnapshot.take()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{PORT}/v1"
+
+    def up(self) -> float:
+        """Start the server, wait (bounded) for ``/health`` and one warm-up answer; return seconds."""
+        start = time.monotonic()
+        build(DEFAULT_DIR)
+        values = {**self.settings.values, "TESTBED_MODEL": str(DEFAULT_DIR)}
+        argv = serve_argv(replace(self.settings, values=values), host=HOST, port=PORT, single_process=True)
+        # One core: the cluster's nodes are pinned one core each, and so is this process.
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        with open(self._log, "wb") as out:
+            self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        deadline = start + self.up_timeout
+        url = self.base_url.removesuffix("/v1")
+        while not self._healthy(url):
+            if self._server.poll() is not None:
+                raise ClusterStartError(f"reference server exited ({self._server.returncode})\n{self.logs(60)}")
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"reference server not healthy in {self.up_timeout:.0f} s\n{self.logs(60)}")
+            time.sleep(1)
+        warm_up(url, self.settings["TESTBED_SERVED_MODEL"], timeout=max(1.0, deadline - time.monotonic()),
+                logprobs=True)
+        return time.monotonic() - start
+
+    @staticmethod
+    def _healthy(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def down(self) -> None:
+        """Stop the server's process group (bounded) and remove the /dev/shm files it left."""
+        if self._server is not None and self._server.poll() is None:
+            os.killpg(self._server.pid, signal.SIGTERM)
+            try:
+                self._server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._server.pid, signal.SIGKILL)
+                self._server.wait(timeout=10)
+        self._server = None
+        self._shm.remove_new()
+
+    def logs(self, tail: int | None = None) -> str:
+        lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
+        return "\n".join(lines[-tail:] if tail else lines)
+
+    def __enter__(self) -> "ReferenceServer":
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
