@@ -14,6 +14,13 @@ CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
 # The local backend (TESTBED_CLUSTER=local) needs neither Docker nor the image.
 E2E_DEPS := $(if $(filter local,$(TESTBED_CLUSTER)),$(STAMP),image)
 COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml
+# e2e profiles: executors x modes (each mode sets both paths). Naming MODES judges them
+# strictly: `make e2e MODES=off` is the fix-off run, and its known failures turn red.
+EXECUTOR ?= v2 cgraph
+MODES ?=
+RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
+E2E_ENV := TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
+E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image up down logs ps
@@ -23,6 +30,7 @@ help: ## list the targets
 	@echo
 	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH = upstream | off | testbed (default)"
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
+	@echo "  e2e profiles: make e2e EXECUTOR=\"v2 cgraph\" MODES=\"testbed upstream\"  (MODES=off: fix-off run)"
 	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker); knobs in compose/.env"
 
 $(STAMP): pyproject.toml
@@ -41,11 +49,11 @@ test: test-core test-smoke ## everything CI runs: unit + component, then the e2e
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
-e2e: $(E2E_DEPS) ## the main job: e2e suites against the cluster (brought up and down unless already up)
-	$(PYTHON) -m pytest -m e2e $(PYTEST_ARGS)
+e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
+	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
 
-test-smoke: $(E2E_DEPS) ## the e2e smoke test: one logprobs + one prompt_embeds request, stage placement
-	$(PYTHON) -m pytest -m smoke $(PYTEST_ARGS)
+test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
+	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PYTHON) -m pytest -m unit $(PYTEST_ARGS)

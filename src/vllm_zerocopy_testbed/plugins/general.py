@@ -8,8 +8,7 @@ import os
 import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig
-from vllm_zerocopy_testbed.patches import apply_modes
-
+from vllm_zerocopy_testbed.patches import apply_modes, wiretap
 
 
 def process_role() -> str:
@@ -36,6 +35,9 @@ def register() -> None:
     if config.ray_driver_ip and process_role() == "engine-core":
         _join_ray_as(config.ray_driver_ip)
     role = process_role()
+    if role == "engine-core":
+        # The engine writes the scheduler's broadcast: tap its sends for the transport checker.
+        wiretap.install(_mode_logger())
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
     # reliable (nodes share a log directory), and placement is read from this.
     node = f" node={_ray_node_ip()}" if role == "ray-worker" else ""

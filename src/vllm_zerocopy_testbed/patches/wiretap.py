@@ -1,0 +1,66 @@
+"""A read-only tap on the MessageQueue's ZMQ sends: one log line per large message.
+
+The e2e transport checker reads these lines to tell whether a prompt_embeds
+tensor crossed to the remote node out of band (its own frame, the tensor's exact
+size) or inside the pickle stream (frame 0). It wraps the socket's send; it never
+changes what is sent, in any mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+WIRE_PREFIX = "mq-send"
+# Control messages are small; only messages at least this big are logged.
+MIN_LOGGED_BYTES = 512 * 1024
+
+_tapped: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_installed = False
+
+
+def _nbytes(frame: Any) -> int:
+    if hasattr(frame, "bytes") and hasattr(frame, "buffer"):  # zmq.Frame
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def wire_line(path: str, sizes: list[int]) -> str:
+    """Return the log line for one message: ``mq-send path=remote frames=a,b,c``."""
+    return f"{WIRE_PREFIX} path={path} frames={','.join(map(str, sizes))}"
+
+
+def install(log: logging.Logger) -> None:
+    """Tap every MessageQueue writer created from now on in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    original_init: Callable[..., None] = MessageQueue.__init__
+    original_send: Callable[..., Any] = zmq.Socket.send_multipart
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        for name in ("local_socket", "remote_socket"):
+            socket = getattr(self, name, None)
+            if socket is not None:
+                _tapped.add(socket)
+                socket_paths[id(socket)] = "overflow" if name == "local_socket" else "remote"
+
+    socket_paths: dict[int, str] = {}
+
+    def send_multipart(self: Any, msg_parts: Any, *args: Any, **kwargs: Any) -> Any:
+        if self in _tapped:
+            parts = list(msg_parts)
+            sizes = [_nbytes(p) for p in parts]
+            if sum(sizes) >= MIN_LOGGED_BYTES:
+                log.info(wire_line(socket_paths.get(id(self), "?"), sizes))
+            msg_parts = parts
+        return original_send(self, msg_parts, *args, **kwargs)
+
+    MessageQueue.__init__ = init  # type: ignore[method-assign]
+    zmq.Socket.send_multipart = send_multipart  # type: ignore[method-assign]
+    _installed = True

@@ -1,0 +1,110 @@
+"""The run report: results as JSON first, then a Markdown file and a terminal table drawn from it.
+
+One row per suite, one column per profile (executor/modes); a cell says the
+worst outcome of the suite's tests there, how many requests it sent, and their
+p50/p95 latency.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from vllm_zerocopy_testbed.checker.latency import summary
+from vllm_zerocopy_testbed.workload.requests import Record
+
+# Worst first: a suite's cell shows the worst outcome among its tests.
+_SEVERITY = ("failed", "error", "xpassed", "xfailed", "passed", "skipped")
+_LABEL = {"failed": "FAIL", "error": "ERROR", "xpassed": "XPASS(!)", "xfailed": "known-fail", "passed": "pass",
+          "skipped": "skip"}
+
+
+@dataclass
+class TestResult:
+    """One test's outcome, with the suite and profile it belongs to."""
+
+    __test__ = False
+
+    test: str
+    suite: str
+    profile: str
+    outcome: str
+    duration_s: float = 0.0
+    message: str = ""
+
+
+@dataclass
+class RunReport:
+    """Everything a run produced; ``write`` turns it into files."""
+
+    started: float = field(default_factory=time.time)
+    profiles: list[str] = field(default_factory=list)
+    results: list[TestResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def cells(self, records: Iterable[Record]) -> dict[tuple[str, str], dict[str, Any]]:
+        """Return (suite, profile) -> outcome, tests, requests, p50_s, p95_s."""
+        records = list(records)
+        cells: dict[tuple[str, str], dict[str, Any]] = {}
+        for result in self.results:
+            cell = cells.setdefault((result.suite, result.profile), {"outcome": "skipped", "tests": 0})
+            cell["tests"] += 1
+            if _SEVERITY.index(result.outcome) < _SEVERITY.index(cell["outcome"]):
+                cell["outcome"] = result.outcome
+        for (suite, profile), cell in cells.items():
+            mine = [r for r in records if r.suite == suite and r.profile == profile]
+            cell.update(summary(mine), requests=len(mine))
+        return cells
+
+    def table(self, records: Iterable[Record]) -> str:
+        """Return the suite x profile table as Markdown (also readable in a terminal)."""
+        cells = self.cells(records)
+        suites = sorted({s for s, _ in cells}, key=lambda s: (s == "across", s))
+        profiles = [p for p in self.profiles if any(p == q for _, q in cells)] + \
+            sorted({p for _, p in cells} - set(self.profiles))
+        lines = ["| suite | " + " | ".join(profiles) + " |", "|---" * (len(profiles) + 1) + "|"]
+        for suite in suites:
+            row = [suite]
+            for profile in profiles:
+                cell = cells.get((suite, profile))
+                if cell is None:
+                    row.append("-")
+                    continue
+                text = _LABEL[cell["outcome"]]
+                if cell["requests"]:
+                    text += f" {cell['requests']} req p50 {cell['p50_s']:.2f} s p95 {cell['p95_s']:.2f} s"
+                row.append(text)
+            lines.append("| " + " | ".join(row) + " |")
+        return "\n".join(lines)
+
+    def write(self, run_dir: Path, records: Iterable[Record]) -> list[Path]:
+        """Write ``results.json`` and ``report.md`` under ``run_dir``; return their paths."""
+        records = list(records)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data = {
+            "started": self.started, "profiles": self.profiles, "notes": self.notes,
+            "results": [asdict(r) for r in self.results],
+            "cells": [{"suite": s, "profile": p, **c} for (s, p), c in self.cells(records).items()],
+            "history": [r.to_json() for r in records],
+        }
+        results_json = run_dir / "results.json"
+        results_json.write_text(json.dumps(data, indent=1))
+        failed = [r for r in self.results if r.outcome in ("failed", "error", "xpassed")]
+        known = [r for r in self.results if r.outcome == "xfailed"]
+        md = [f"# e2e run {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.started))} UTC", "",
+              "Cells: worst outcome of the suite's tests, requests sent, latency p50/p95 "
+              "(known-fail = a strict expected failure that did fail).", "", self.table(records), ""]
+        for title, rows in (("Failures", failed), ("Known failures (expected, strict)", known)):
+            if rows:
+                md += [f"## {title}", ""]
+                md += [f"- `{r.test}` ({r.profile}): {r.message.splitlines()[0] if r.message else ''}" for r in rows]
+                md.append("")
+        if self.notes:
+            md += ["## Notes", "", *(f"- {n}" for n in self.notes), ""]
+        md += ["Raw data: `results.json` (every request: timings, tokens, logprobs); `junit.xml`.", ""]
+        report_md = run_dir / "report.md"
+        report_md.write_text("\n".join(md))
+        return [results_json, report_md]

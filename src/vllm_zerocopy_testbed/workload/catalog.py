@@ -1,0 +1,97 @@
+"""The named workloads: deterministic request lists, the same for the cluster and the reference.
+
+Sizes are in rows of the model's hidden size; the server casts every dtype to
+fp32, so the transport carries ``rows x 512`` bytes whatever dtype was sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
+from vllm_zerocopy_testbed.workload.embeds import DTYPES, WIRE_BYTES_PER_ROW, token_ids
+from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds
+
+MAX_TOKENS = 8
+LOGPROBS_KS = (1, 2, 5, 10, 20)
+PROMPT_LOGPROBS_KS = (1, 5)
+# The MessageQueue message carries scheduler fields beside the tensor; this many rows
+# past the chunk make sure the whole message overflows.
+_OVERFLOW_MARGIN_ROWS = 104
+
+
+@dataclass(frozen=True)
+class EmbedsSizes:
+    """Rows per transport path: in the ring and in band, out of band, and past the ring chunk."""
+
+    small: int
+    out_of_band: int
+    overflow: int
+
+    @classmethod
+    def for_chunk(cls, chunk_mib: int) -> "EmbedsSizes":
+        return cls(small=32,
+                   out_of_band=OOB_MIN_BYTES // WIRE_BYTES_PER_ROW + 52,  # just over 1 MiB
+                   overflow=chunk_mib * 1024 * 1024 // WIRE_BYTES_PER_ROW + _OVERFLOW_MARGIN_ROWS)
+
+    def items(self) -> list[tuple[str, int]]:
+        return [("small", self.small), ("oob", self.out_of_band), ("overflow", self.overflow)]
+
+
+def embeds_specs(sizes: EmbedsSizes, dtypes: tuple[str, ...] = tuple(DTYPES)) -> list[CompletionSpec]:
+    """prompt_embeds per dtype and size, each with its token-id twin (``ids/<size>``)."""
+    specs = []
+    for size, rows in sizes.items():
+        ids = tuple(token_ids(rows, seed=rows))
+        specs.append(CompletionSpec(f"ids/{size}", prompt_ids=ids, max_tokens=MAX_TOKENS, logprobs=5))
+        specs += [CompletionSpec(f"embeds/{dtype}/{size}", embeds=(Embeds(ids, dtype),), max_tokens=MAX_TOKENS,
+                                 logprobs=5) for dtype in dtypes]
+    return specs
+
+
+def plain_specs(sizes: EmbedsSizes) -> list[CompletionSpec]:
+    """Token ids and fp32 embeds of every size without logprobs: what the compiled-graph executor answers."""
+    specs = []
+    for size, rows in sizes.items():
+        ids = tuple(token_ids(rows, seed=rows))
+        specs += [CompletionSpec(f"plain/ids/{size}", prompt_ids=ids, max_tokens=MAX_TOKENS),
+                  CompletionSpec(f"plain/embeds/{size}", embeds=(Embeds(ids),), max_tokens=MAX_TOKENS)]
+    return specs
+
+
+def embeds_batch_specs(parts: int = 3) -> list[CompletionSpec]:
+    """Several prompt_embeds in one request, and each part's token ids alone."""
+    ids = [tuple(token_ids(24 + 8 * i, seed=100 + i)) for i in range(parts)]
+    batch = CompletionSpec("embeds/batch", embeds=tuple(Embeds(i) for i in ids), max_tokens=MAX_TOKENS, logprobs=5)
+    return [batch, *(CompletionSpec(f"ids/batch/{n}", prompt_ids=i, max_tokens=MAX_TOKENS, logprobs=5)
+                     for n, i in enumerate(ids))]
+
+
+def logprobs_specs(max_tokens: int = 16) -> list[CompletionSpec]:
+    """logprobs 1..20 (ids keep all k: --return-tokens-as-token-ids)."""
+    return [CompletionSpec(f"logprobs/k{k}", prompt_ids=tuple(token_ids(16, seed=k)), max_tokens=max_tokens,
+                           logprobs=k) for k in LOGPROBS_KS]
+
+
+def prompt_logprobs_specs() -> list[CompletionSpec]:
+    return [CompletionSpec(f"prompt-logprobs/k{k}", prompt_ids=tuple(token_ids(12, seed=50 + k)),
+                           max_tokens=MAX_TOKENS, logprobs=5, prompt_logprobs=k) for k in PROMPT_LOGPROBS_KS]
+
+
+def stream_specs() -> list[CompletionSpec]:
+    """Streamed twins of ``logprobs/k5``: the chunks must add up to the same answer."""
+    base = logprobs_specs()[LOGPROBS_KS.index(5)]
+    return [CompletionSpec("stream/k5", prompt_ids=base.prompt_ids, max_tokens=base.max_tokens, logprobs=5,
+                           stream=True)]
+
+
+def concurrent_specs(count: int) -> list[CompletionSpec]:
+    """``count`` distinct logprobs requests meant to be in flight together."""
+    return [CompletionSpec(f"concurrent/{i}", prompt_ids=tuple(token_ids(8 + i % 7, seed=200 + i)),
+                           max_tokens=MAX_TOKENS, logprobs=5) for i in range(count)]
+
+
+def reference_specs(sizes: EmbedsSizes, max_num_seqs: int) -> list[CompletionSpec]:
+    """Every spec the cluster suites compare with the single-process reference."""
+    return [*plain_specs(sizes), *embeds_specs(sizes), *embeds_batch_specs(), *logprobs_specs(), *prompt_logprobs_specs(),
+            *stream_specs(), *concurrent_specs(2 * max_num_seqs)]

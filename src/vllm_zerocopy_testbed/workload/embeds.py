@@ -1,0 +1,48 @@
+"""prompt_embeds payloads built from the tiny model's own embedding rows.
+
+Rows of the model's embedding table for token ids ``ids`` must give exactly the
+answer of ``prompt=ids``: the embeds request has a twin that skips the transport
+of a tensor, which makes every size and dtype checkable against token ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from pathlib import Path
+
+import torch
+
+from vllm_zerocopy_testbed.model import DEFAULT_DIR, TinyModelSpec, build
+
+HIDDEN = TinyModelSpec.hidden_size
+# Bytes per row once the server has cast the rows to the model's dtype (fp32).
+WIRE_BYTES_PER_ROW = HIDDEN * 4
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_ids(rows: int, seed: int = 0) -> list[int]:
+    """Return ``rows`` deterministic token ids (no special tokens: ids 5..509)."""
+    return [(seed * 131 + i * 7 + 3) % 505 + 5 for i in range(rows)]
+
+
+@functools.lru_cache(maxsize=2)
+def _embedding_table(model_dir: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    if model_dir == DEFAULT_DIR:
+        build(model_dir)  # the image's /model has the same bytes (deterministic builder)
+    return load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
+
+
+def rows_for(ids: list[int], dtype: str = "float32", model_dir: Path = DEFAULT_DIR) -> torch.Tensor:
+    """Return the model's embedding rows for ``ids`` as ``[len(ids), hidden]`` in ``dtype``."""
+    return _embedding_table(model_dir)[ids].to(DTYPES[dtype]).clone()
+
+
+def encode(tensor: torch.Tensor) -> str:
+    """Return the API's ``prompt_embeds`` form: base64 of ``torch.save`` of the tensor."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()

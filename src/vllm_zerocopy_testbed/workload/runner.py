@@ -1,0 +1,60 @@
+"""Run specs against one server, one after another, concurrently, or for a stretch of time."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable
+
+import openai
+
+from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record, send
+
+
+@dataclass
+class Runner:
+    """Sends specs to ``base_url`` and records each answer in ``history`` under ``suite``/``profile``."""
+
+    base_url: str
+    model: str
+    history: History
+    profile: str
+    timeout_s: float
+
+    def _client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="testbed", timeout=self.timeout_s, max_retries=0)
+
+    def run(self, suite: str, specs: Iterable[CompletionSpec], *, concurrency: int = 1) -> list[Record]:
+        """Send every spec (``concurrency`` at a time); return their records in spec order."""
+        client = self._client()
+        specs = list(specs)
+
+        def one(spec: CompletionSpec) -> Record:
+            return self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
+                                         timeout=self.timeout_s))
+
+        if concurrency <= 1:
+            records = []
+            for spec in specs:
+                records.append(one(spec))
+                if records[-1].status == "timeout":
+                    break  # a hung server answers nothing after it; the checker reports the hang
+            return records
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, specs))
+
+    def run_for(self, suite: str, specs: Iterable[CompletionSpec], seconds: float) -> list[Record]:
+        """Cycle through ``specs`` one at a time until ``seconds`` have passed; return the records."""
+        client = self._client()
+        deadline = time.monotonic() + seconds
+        records: list[Record] = []
+        for spec in itertools.cycle(list(specs)):
+            if time.monotonic() >= deadline:
+                break
+            records.append(self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
+                                                 timeout=self.timeout_s)))
+            if not records[-1].ok:
+                break
+        return records

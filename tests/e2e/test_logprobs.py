@@ -1,0 +1,133 @@
+"""logprobs through the cluster: k = 1..20, prompt_logprobs, streaming, concurrency, a long sequence, a restart.
+
+On the compiled-graph executor these are the requests whose outputs carry numpy
+arrays through Ray's channels (the detach path, issue 35319) — and whose first
+one stalls past ``RAY_CGRAPH_get_timeout`` without the testbed's fix (issue 5).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency, timeouts
+from vllm_zerocopy_testbed.suite import (LATENCY_BUDGET, PROFILES, LiveCluster, Reference, judge)
+from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
+                                                    prompt_logprobs_specs, stream_specs)
+from vllm_zerocopy_testbed.workload.requests import Record
+
+pytestmark = [pytest.mark.e2e, pytest.mark.known("cgraph_logprobs"), pytest.mark.timeout(1800)]
+
+REPEATS = 2
+
+
+@pytest.fixture(scope="session")
+def logprobs_run(cluster: LiveCluster) -> list[Record]:
+    """k = 1..20, prompt_logprobs and a streamed request, ``REPEATS`` times, one at a time."""
+    specs = [*logprobs_specs(), *prompt_logprobs_specs(), *stream_specs()]
+    return cluster.run("logprobs", specs * REPEATS)
+
+
+@pytest.fixture(scope="session")
+def concurrent_run(cluster: LiveCluster, logprobs_run: list[Record]) -> list[Record]:
+    """Twice ``--max-num-seqs`` distinct requests in flight at once (the scheduler queues the rest)."""
+    count = 2 * int(cluster.settings["TESTBED_MAX_NUM_SEQS"])
+    return cluster.run("concurrent", concurrent_specs(count), concurrency=count)
+
+
+@pytest.mark.suite("logprobs")
+def test_every_request_answers_within_its_bound(cluster: LiveCluster, logprobs_run: list[Record]) -> None:
+    judge(cluster, timeouts.check(logprobs_run))
+
+
+@pytest.mark.suite("logprobs")
+def test_each_position_has_k_logprobs(cluster: LiveCluster, logprobs_run: list[Record]) -> None:
+    """--return-tokens-as-token-ids keeps all k alternatives (text keys collide on byte fragments)."""
+    verdict = Verdict("k logprobs per position")
+    for record in logprobs_run:
+        k = next((k for k in LOGPROBS_KS if record.key == f"logprobs/k{k}"), None)
+        if record.ok and k is not None:
+            sizes = {len(top) for top in record.choices[0]["top_logprobs"]}
+            # the sampled token is added when it is not among the top k
+            if not sizes <= {k, k + 1}:
+                verdict.fail(f"{record.key}: {sorted(sizes)} entries per position")
+    judge(cluster, timeouts.check(logprobs_run), verdict)
+
+
+@pytest.mark.suite("logprobs")
+def test_repeats_are_bit_exact(cluster: LiveCluster, logprobs_run: list[Record]) -> None:
+    judge(cluster, timeouts.check(logprobs_run), bitexact.check(logprobs_run, bitexact.first_answers(logprobs_run)))
+
+
+@pytest.mark.suite("logprobs")
+def test_streamed_answer_equals_the_whole_one(cluster: LiveCluster, logprobs_run: list[Record]) -> None:
+    answers = bitexact.first_answers(logprobs_run)
+    streamed = [r for r in logprobs_run if r.key == "stream/k5"]
+    as_whole = {"stream/k5": answers["logprobs/k5"]} if "logprobs/k5" in answers else {}
+    judge(cluster, timeouts.check(logprobs_run), bitexact.check(streamed, as_whole, name="stream = whole"))
+
+
+@pytest.mark.suite("logprobs")
+def test_prompt_logprobs_are_returned(cluster: LiveCluster, logprobs_run: list[Record]) -> None:
+    """prompt_logprobs (not covered by upstream's detach) reach the client, one entry per prompt token."""
+    verdict = Verdict("prompt_logprobs")
+    records = [r for r in logprobs_run if r.key.startswith("prompt-logprobs/") and r.ok]
+    if not records:
+        verdict.fail("no prompt_logprobs request was answered")
+    for record in records:
+        entries = record.choices[0].get("prompt_logprobs")
+        if not entries or entries[0] is not None or len(entries) != 12:
+            verdict.fail(f"{record.key}: {len(entries or [])} entries (want 12, the first None)")
+    judge(cluster, timeouts.check(logprobs_run), verdict)
+
+
+@pytest.mark.suite("logprobs")
+def test_answers_match_the_single_process_reference(cluster: LiveCluster, logprobs_run: list[Record],
+                                                    reference: Reference) -> None:
+    """Tokens identical; logprobs within 1e-5: TP=2 sums fp32 partials in another order than TP=1."""
+    judge(cluster, timeouts.check(logprobs_run),
+          bitexact.check(logprobs_run, reference.answers, tokens_only=True, name="tokens = reference"),
+          bitexact.check(logprobs_run, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+
+
+@pytest.mark.suite("logprobs")
+def test_latency_is_within_budget_of_the_reference(cluster: LiveCluster, logprobs_run: list[Record],
+                                                   reference: Reference) -> None:
+    keys = {r.key for r in logprobs_run}
+    judge(cluster, timeouts.check(logprobs_run),
+          latency.check(logprobs_run, [r for r in reference.records if r.key in keys], LATENCY_BUDGET))
+
+
+@pytest.mark.suite("concurrent")
+def test_concurrent_requests_all_answer_as_alone(cluster: LiveCluster, concurrent_run: list[Record],
+                                                 reference: Reference) -> None:
+    """More requests than --max-num-seqs at once: all answer, with the tokens they get alone."""
+    judge(cluster, timeouts.check(concurrent_run),
+          bitexact.check(concurrent_run, reference.answers, tokens_only=True, name="tokens = reference"),
+          bitexact.check(concurrent_run, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+
+
+@pytest.mark.suite("sequential")
+def test_a_sequence_longer_than_the_channel_timeout_never_stalls(cluster: LiveCluster,
+                                                                 logprobs_run: list[Record]) -> None:
+    """Outputs held across steps block the next channel read until RAY_CGRAPH_get_timeout (issue 35319).
+
+    Requests one after another for longer than that timeout: every one answers
+    within its bound and equals the first answer of its kind.
+    """
+    seconds = float(cluster.settings.values.get("RAY_CGRAPH_get_timeout", "60")) + 5
+    records = cluster.run("sequential", logprobs_specs(), seconds=seconds)
+    judge(cluster, timeouts.check(records), bitexact.check(records, bitexact.first_answers(logprobs_run)))
+
+
+@pytest.mark.slow
+@pytest.mark.suite("restart")
+def test_answers_survive_a_restart(cluster: LiveCluster, logprobs_run: list[Record], profile) -> None:
+    """The same requests after the cluster went down and up again: bit-exact (first profile only)."""
+    if profile != PROFILES[0]:
+        pytest.skip("one restart per run (the first profile's)")
+    if cluster.dead:
+        pytest.fail(f"not run: {cluster.dead}")
+    cluster.backend.down()
+    cluster.backend.up()
+    records = cluster.run("restart", [*logprobs_specs(), *prompt_logprobs_specs()])
+    judge(cluster, timeouts.check(records), bitexact.check(records, bitexact.first_answers(logprobs_run)))

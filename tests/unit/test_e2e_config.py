@@ -1,0 +1,57 @@
+"""e2e profiles, workload sizes and the report table."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_zerocopy_testbed.config import ConfigError, Executor, PatchMode, e2e_profiles
+from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
+from vllm_zerocopy_testbed.report import RunReport, TestResult
+from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, reference_specs
+from vllm_zerocopy_testbed.workload.embeds import WIRE_BYTES_PER_ROW
+from vllm_zerocopy_testbed.workload.requests import Record
+
+pytestmark = pytest.mark.unit
+
+
+def test_default_profiles_are_both_executors_in_testbed_and_upstream() -> None:
+    profiles, chosen = e2e_profiles({})
+    assert [str(p) for p in profiles] == ["v2/testbed", "v2/upstream", "cgraph/testbed", "cgraph/upstream"]
+    assert not chosen
+
+
+def test_chosen_modes_are_strict_and_set_both_paths() -> None:
+    profiles, chosen = e2e_profiles({"TESTBED_E2E_MODES": "off", "TESTBED_E2E_EXECUTORS": "cgraph"})
+    assert chosen and profiles[0].env() == {"TESTBED_EXECUTOR": "cgraph", "TESTBED_BROADCAST": "off",
+                                            "TESTBED_DETACH": "off"}
+
+
+def test_bad_executor_or_mode_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="use one of: v2, cgraph"):
+        e2e_profiles({"TESTBED_E2E_EXECUTORS": "graph"})
+    with pytest.raises(ConfigError, match="upstream, off, testbed"):
+        e2e_profiles({"TESTBED_E2E_MODES": "of"})
+
+
+def test_executor_switches() -> None:
+    assert Executor.CGRAPH.vllm_env() == {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0",
+                                          "VLLM_USE_RAY_COMPILED_DAG_CHANNEL_TYPE": "shm"}
+    assert Executor.V2.vllm_env()["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] == "1"
+
+
+def test_embeds_sizes_reach_each_transport_path() -> None:
+    sizes = EmbedsSizes.for_chunk(2)
+    assert sizes.small * WIRE_BYTES_PER_ROW < OOB_MIN_BYTES
+    assert OOB_MIN_BYTES < sizes.out_of_band * WIRE_BYTES_PER_ROW < 2 * 1024 * 1024
+    assert sizes.overflow * WIRE_BYTES_PER_ROW > 2 * 1024 * 1024
+    keys = [s.key for s in reference_specs(sizes, max_num_seqs=8)]
+    assert len(keys) == len(set(keys)), "every spec has its own key"
+
+
+def test_report_cell_shows_the_worst_outcome() -> None:
+    report = RunReport(profiles=["v2/testbed"])
+    report.results += [TestResult("a", "embeds", "v2/testbed", "passed"),
+                       TestResult("b", "embeds", "v2/testbed", "failed", message="boom")]
+    records = [Record(key="k", suite="embeds", profile="v2/testbed", bound_s=9, latency_s=1.0)]
+    table = report.table(records)
+    assert "| embeds | FAIL 1 req p50 1.00 s p95 1.00 s |" in table
