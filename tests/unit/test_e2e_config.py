@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ConfigError, Executor, PatchMode, e2e_profiles
+from vllm_zerocopy_testbed.config import ConfigError, Executor, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, reference_specs

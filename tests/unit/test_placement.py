@@ -48,3 +48,15 @@ LOCAL_LOG = """\
 def test_local_placement_joins_vllm_rank_lines_with_the_workers_own_node() -> None:
     placed = parse_placement_by_pid(LOCAL_LOG, {"127.0.0.3": "head", "127.0.0.2": "worker-1"}, tp_size=2)
     assert [(p.rank, p.node, p.pp_rank) for p in placed] == [(1, "head", 0), (2, "worker-1", 1)]
+
+
+def test_testbed_rank_lines_place_ranks_for_any_executor() -> None:
+    """The compiled-graph executor logs no rank lines of vLLM's: ours are enough."""
+    from vllm_zerocopy_testbed.cluster.placement import parse_placement
+
+    log = "\n".join(f"(RayWorkerWrapper pid={100 + r}, ip=172.29.77.2) INFO [host_aware_communicator.py:1] "
+                     f"testbed rank pid={100 + r} rank={r} node={'172.29.77.10' if r < 2 else '172.29.77.2'}"
+                     for r in range(4))
+    placed = parse_placement(log, {"172.29.77.10": "head", "172.29.77.2": "worker"}, "172.29.77.10", tp_size=2)
+    assert [(p.rank, p.node, p.pp_rank, p.tp_rank) for p in placed] == [
+        (0, "head", 0, 0), (1, "head", 0, 1), (2, "worker", 1, 0), (3, "worker", 1, 1)]

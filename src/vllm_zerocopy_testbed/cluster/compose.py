@@ -99,6 +99,15 @@ class ComposeCluster(Cluster):
         except (RuntimeError, TimeoutError, FileNotFoundError):  # no engine, no compose
             return False
 
+    def leftovers(self) -> list[str]:
+        """Return our project's containers and networks that still exist."""
+        label = f"label=com.docker.compose.project={self.settings.project}"
+        containers = self._run(["docker", "ps", "-a", "--filter", label, "--format", "{{.Names}} {{.Status}}"],
+                               timeout=30).stdout.split("\n")
+        networks = self._run(["docker", "network", "ls", "--filter", label, "--format", "{{.Name}}"],
+                             timeout=30).stdout.split()
+        return [f"container {c}" for c in containers if c.strip()] + [f"network {n}" for n in networks]
+
     def serves(self, settings: dict[str, str]) -> bool:
         """Whether our project is up and healthy with the head started under ``settings``."""
         if not self.is_running():

@@ -42,6 +42,10 @@ class Cluster(ABC):
         """Whether a cluster is already up, healthy, and configured with ``settings`` (reusable)."""
         return False
 
+    def leftovers(self) -> list[str]:
+        """Return what this cluster left behind after ``down`` (containers, networks, processes, shm files)."""
+        return []
+
     @abstractmethod
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
         """Server and node logs (of one service if named)."""

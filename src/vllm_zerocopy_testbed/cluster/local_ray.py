@@ -26,6 +26,7 @@ from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 
 logger = logging.getLogger(__name__)
+SESSION_ENV = "TESTBED_RAY_SESSION"
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class LocalRayCluster:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Path] = []
         self._workdir: Path | None = None
+        self._last_workdir: str | None = None
         self._shm = ShmSnapshot()
 
     @property
@@ -95,6 +97,9 @@ class LocalRayCluster:
         self._shm = ShmSnapshot.take()
         # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
         self._workdir = Path(tempfile.mkdtemp(prefix="rtb", dir="/tmp"))
+        self._last_workdir = str(self._workdir)
+        # Every process of the session inherits this: how leftovers() finds ours, and only ours.
+        self.env[SESSION_ENV] = self._last_workdir
         self._logs = []
         try:
             for index, node in enumerate(self.nodes):
@@ -178,3 +183,23 @@ class LocalRayCluster:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
         self._shm.remove_new()
+
+    def leftovers(self) -> list[str]:
+        """Return what our nodes left behind: live processes of our Ray session, /dev/shm files."""
+        found = [f"ray node pid {p.pid} still running" for p in self._procs if p.poll() is None]
+        if self._last_workdir:
+            # Ray renames its workers' command lines; their environment still names our session.
+            marker = f"{SESSION_ENV}={self._last_workdir}".encode()
+            for proc in Path("/proc").iterdir():
+                if not proc.name.isdigit():
+                    continue
+                try:
+                    ours = marker in (proc / "environ").read_bytes().split(b"\0")
+                    zombie = "State:\tZ" in (proc / "status").read_text()
+                    title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+                if ours and not zombie:
+                    found.append(f"pid {proc.name} of our Ray session: {title[:80]}")
+        found += [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
+        return found

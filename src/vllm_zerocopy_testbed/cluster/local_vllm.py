@@ -99,6 +99,10 @@ class LocalVllmCluster(Cluster):
         self._server = None
         self.ray.stop()
 
+    def leftovers(self) -> list[str]:
+        found = [f"API server pid {self._server.pid} still running"] if self.is_running() else []
+        return found + self.ray.leftovers()
+
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
         lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
         return "\n".join(lines[-tail:] if tail else lines)

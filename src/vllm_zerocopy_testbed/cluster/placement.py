@@ -13,6 +13,8 @@ _RANK_LINE = re.compile(r"\(\w+ pid=\d+(?:, ip=(?P<ip>[\d.]+))?\).*?world_size=\
 # vLLM's own prefix names the worker process: "(Worker pid=N)" or "(Worker_PP1_TP0 pid=N)".
 _VLLM_RANK_LINE = re.compile(r"\(Worker\S* pid=(?P<pid>\d+)\).*?world_size=\d+ rank=(?P<rank>\d+) local_rank=")
 _WORKER_NODE_LINE = re.compile(r"testbed modes pid=(?P<pid>\d+) role=ray-worker .*? node=(?P<ip>[\d.]+)")
+# Our communicator's own line (plugins/host_aware_communicator.py), for every executor.
+_TESTBED_RANK_LINE = re.compile(r"testbed rank pid=\d+ rank=(?P<rank>\d+) node=(?P<ip>[\d.]+)")
 _MODES_LINE = re.compile(r"testbed modes pid=\d+ role=\S+ broadcast=\S+ detach=\S+")
 
 
@@ -27,12 +29,26 @@ class RankPlacement:
     tp_rank: int
 
 
+def parse_testbed_ranks(log: str, node_by_ip: Mapping[str, str], tp_size: int) -> list[RankPlacement]:
+    """Return each rank's placement from the testbed communicator's ``testbed rank`` lines (latest wins)."""
+    ranks: dict[int, RankPlacement] = {}
+    for match in _TESTBED_RANK_LINE.finditer(log):
+        rank, ip = int(match["rank"]), match["ip"]
+        ranks[rank] = RankPlacement(rank, ip, node_by_ip.get(ip, "?"), rank // tp_size, rank % tp_size)
+    return [ranks[r] for r in sorted(ranks)]
+
+
 def parse_placement(log: str, node_by_ip: Mapping[str, str], driver_ip: str, tp_size: int) -> list[RankPlacement]:
     """Return each rank's placement found in ``log`` (latest line per rank), by rank.
 
-    ``driver_ip`` is the node of the engine that logged: its workers carry no IP.
-    vLLM lays ranks out TP-innermost: PP stage = rank // TP, TP rank = rank % TP.
+    From the testbed's own rank lines when present (every executor logs them);
+    else from vLLM's, where ``driver_ip`` is the node of the engine that logged
+    (its workers carry no IP). vLLM lays ranks out TP-innermost: PP stage =
+    rank // TP, TP rank = rank % TP.
     """
+    ours = parse_testbed_ranks(log, node_by_ip, tp_size)
+    if ours:
+        return ours
     ranks: dict[int, RankPlacement] = {}
     for match in _RANK_LINE.finditer(log):
         rank, ip = int(match["rank"]), match["ip"] or driver_ip
@@ -46,6 +62,9 @@ def parse_placement_by_pid(log: str, node_by_ip: Mapping[str, str], tp_size: int
     For nodes on one machine (local backend), where pids are unique and Ray's
     ``ip=`` tag is not: every node's log monitor tails the shared log directory.
     """
+    ours = parse_testbed_ranks(log, node_by_ip, tp_size)
+    if ours:
+        return ours
     ip_by_pid = {m["pid"]: m["ip"] for m in _WORKER_NODE_LINE.finditer(log)}
     ranks: dict[int, RankPlacement] = {}
     for match in _VLLM_RANK_LINE.finditer(log):

@@ -84,6 +84,11 @@ class ReferenceServer:
         self._server = None
         self._shm.remove_new()
 
+    def leftovers(self) -> list[str]:
+        """Return what the server left behind after ``down``: its process, /dev/shm files."""
+        found = [f"reference server pid {self._server.pid}"] if self._server and self._server.poll() is None else []
+        return found + [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
+
     def logs(self, tail: int | None = None) -> str:
         lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
         return "\n".join(lines[-tail:] if tail else lines)

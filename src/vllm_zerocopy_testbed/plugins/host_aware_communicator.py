@@ -36,8 +36,29 @@ def shm_namespace() -> str:
     return f"{socket.gethostname()}/{boot_id}/{mount}"
 
 
+def _node_ip() -> str:
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
+
+
+@lru_cache(maxsize=1)
+def log_rank_once() -> None:
+    """Log this process's global rank and node once: where each rank runs, for any executor."""
+    logger.info("testbed rank pid=%d rank=%d node=%s", os.getpid(), torch.distributed.get_rank(), _node_ip())
+
+
 class HostAwareCpuCommunicator(CpuCommunicator):
     """``CpuCommunicator`` whose shm fast path requires one /dev/shm for the group."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        log_rank_once()
 
     def _all_group_ranks_share_shm_group_name(self) -> bool:
         # Every rank evaluates the same chain of checks, so the collectives match.
