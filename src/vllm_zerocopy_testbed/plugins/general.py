@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig
 from vllm_zerocopy_testbed.patches import apply_modes, wiretap
+from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
 
 def process_role() -> str:
@@ -37,11 +37,11 @@ def register() -> None:
     role = process_role()
     if role == "engine-core":
         # The engine writes the scheduler's broadcast: tap its sends for the transport checker.
-        wiretap.install(_mode_logger())
+        wiretap.install(testbed_logger())
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
     # reliable (nodes share a log directory), and placement is read from this.
     node = f" node={_ray_node_ip()}" if role == "ray-worker" else ""
-    _mode_logger().info("testbed modes pid=%d role=%s %s%s", os.getpid(), role, modes, node)
+    testbed_logger().info("testbed modes pid=%d role=%s %s%s", os.getpid(), role, modes, node)
 
 
 def _ray_node_ip() -> str:
@@ -63,20 +63,3 @@ def _join_ray_as(node_ip: str) -> None:
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), _node_ip_address=node_ip)
-
-
-def _mode_logger() -> logging.Logger:
-    """Return a logger that writes to stderr whether or not vLLM configured logging yet.
-
-    Plugins load before some processes configure vLLM's handlers, and vLLM's
-    handlers cover its own namespace only; the mode line must show in every
-    process, so it has a handler of its own.
-    """
-    log = logging.getLogger("vllm_zerocopy_testbed.modes")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("INFO %(asctime)s [testbed] %(message)s", "%m-%d %H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log

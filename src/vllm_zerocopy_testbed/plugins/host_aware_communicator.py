@@ -17,6 +17,8 @@ import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 from vllm.logger import init_logger
 
+from vllm_zerocopy_testbed.plugins.log import testbed_logger
+
 logger = init_logger(__name__)
 
 
@@ -50,7 +52,9 @@ def _node_ip() -> str:
 @lru_cache(maxsize=1)
 def log_rank_once() -> None:
     """Log this process's global rank and node once: where each rank runs, for any executor."""
-    logger.info("testbed rank pid=%d rank=%d node=%s", os.getpid(), torch.distributed.get_rank(), _node_ip())
+    # Our own handler: vLLM's loggers are not shown by every executor's Ray workers.
+    testbed_logger().info("testbed rank pid=%d rank=%d node=%s", os.getpid(), torch.distributed.get_rank(),
+                          _node_ip())
 
 
 class HostAwareCpuCommunicator(CpuCommunicator):
