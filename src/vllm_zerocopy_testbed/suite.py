@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict
+from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
 from vllm_zerocopy_testbed.cluster.interface import Cluster
+from vllm_zerocopy_testbed.cluster.warmup import is_healthy
 from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, Executor, PatchMode, Profile, e2e_profiles
 from vllm_zerocopy_testbed.report import RunReport
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes
@@ -70,12 +69,7 @@ class LiveCluster:
         return self.backend.settings
 
     def healthy(self) -> bool:
-        url = self.backend.base_url.removesuffix("/v1") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return is_healthy(self.backend.base_url.removesuffix("/v1"))
 
     def run(self, suite: str, specs: list[CompletionSpec], *, concurrency: int = 1,
             seconds: float | None = None) -> list[Record]:
@@ -99,6 +93,18 @@ class LiveCluster:
         keys = ("RayChannelTimeoutError", "EngineDeadError", "died", "Traceback", "Error", "check failed")
         hits = [line for line in logs.splitlines() if any(k in line for k in keys)]
         return "\n".join(hits[-lines:]) or "\n".join(logs.splitlines()[-lines:])
+
+
+def match_reference(records: list[Record], reference: Reference) -> list[Verdict]:
+    """Tokens identical to the reference's; logprobs within 1e-5 (TP=2 sums fp32 partials in another order)."""
+    return [bitexact.check(records, reference.answers, tokens_only=True, name="tokens = reference"),
+            bitexact.check(records, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)")]
+
+
+def within_budget(records: list[Record], reference: Reference) -> Verdict:
+    """p95 of ``records`` within ``LATENCY_BUDGET`` x the reference's p50 for the same requests."""
+    keys = {r.key for r in records}
+    return latency.check(records, [r for r in reference.records if r.key in keys], LATENCY_BUDGET)
 
 
 def judge(cluster: LiveCluster, *verdicts: Verdict) -> None:

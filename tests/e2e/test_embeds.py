@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency, timeouts, transport
+from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts, transport
 from vllm_zerocopy_testbed.config import Executor
-from vllm_zerocopy_testbed.suite import LATENCY_BUDGET, SIZES, LiveCluster, Reference, judge
+from vllm_zerocopy_testbed.suite import SIZES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import embeds_batch_specs, embeds_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -64,16 +64,12 @@ def test_batch_of_embeds_answers_as_each_alone(cluster: LiveCluster, embeds_run:
 def test_tokens_match_the_single_process_reference(cluster: LiveCluster, embeds_run: list[Record],
                                                    reference: Reference) -> None:
     """Tokens identical; logprobs within 1e-5: TP=2 sums fp32 partials in another order than TP=1."""
-    judge(cluster, timeouts.check(embeds_run),
-          bitexact.check(embeds_run, reference.answers, tokens_only=True, name="tokens = reference"),
-          bitexact.check(embeds_run, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+    judge(cluster, timeouts.check(embeds_run), *match_reference(embeds_run, reference))
 
 
 def test_latency_is_within_budget_of_the_reference(cluster: LiveCluster, embeds_run: list[Record],
                                                    reference: Reference) -> None:
-    keys = {r.key for r in embeds_run}
-    judge(cluster, timeouts.check(embeds_run),
-          latency.check(embeds_run, [r for r in reference.records if r.key in keys], LATENCY_BUDGET))
+    judge(cluster, timeouts.check(embeds_run), within_budget(embeds_run, reference))
 
 
 @pytest.mark.known("zero_copy")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency, timeouts
-from vllm_zerocopy_testbed.suite import (LATENCY_BUDGET, PROFILES, LiveCluster, Reference, judge)
+from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
+from vllm_zerocopy_testbed.suite import PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
 from vllm_zerocopy_testbed.workload.requests import Record
@@ -84,26 +84,20 @@ def test_prompt_logprobs_are_returned(cluster: LiveCluster, logprobs_run: list[R
 def test_answers_match_the_single_process_reference(cluster: LiveCluster, logprobs_run: list[Record],
                                                     reference: Reference) -> None:
     """Tokens identical; logprobs within 1e-5: TP=2 sums fp32 partials in another order than TP=1."""
-    judge(cluster, timeouts.check(logprobs_run),
-          bitexact.check(logprobs_run, reference.answers, tokens_only=True, name="tokens = reference"),
-          bitexact.check(logprobs_run, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+    judge(cluster, timeouts.check(logprobs_run), *match_reference(logprobs_run, reference))
 
 
 @pytest.mark.suite("logprobs")
 def test_latency_is_within_budget_of_the_reference(cluster: LiveCluster, logprobs_run: list[Record],
                                                    reference: Reference) -> None:
-    keys = {r.key for r in logprobs_run}
-    judge(cluster, timeouts.check(logprobs_run),
-          latency.check(logprobs_run, [r for r in reference.records if r.key in keys], LATENCY_BUDGET))
+    judge(cluster, timeouts.check(logprobs_run), within_budget(logprobs_run, reference))
 
 
 @pytest.mark.suite("concurrent")
 def test_concurrent_requests_all_answer_as_alone(cluster: LiveCluster, concurrent_run: list[Record],
                                                  reference: Reference) -> None:
     """More requests than --max-num-seqs at once: all answer, with the tokens they get alone."""
-    judge(cluster, timeouts.check(concurrent_run),
-          bitexact.check(concurrent_run, reference.answers, tokens_only=True, name="tokens = reference"),
-          bitexact.check(concurrent_run, reference.answers, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+    judge(cluster, timeouts.check(concurrent_run), *match_reference(concurrent_run, reference))
 
 
 @pytest.mark.suite("sequential")

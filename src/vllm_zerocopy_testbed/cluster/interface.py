@@ -12,12 +12,38 @@ class ClusterStartError(RuntimeError):
     """A cluster did not come up within its bound; the message carries the logs' tail."""
 
 
-class Cluster(ABC):
-    """A vLLM cluster: up with a bounded wait, queried, hurt on purpose, always brought down.
+class Service(ABC):
+    """Something we start and must stop: a context manager whose exit always brings it down.
 
-    Used as a context manager: ``__exit__`` brings it down, also when ``up``
-    failed half-way.
+    ``__exit__`` runs ``down``, also when ``up`` failed half-way.
     """
+
+    @abstractmethod
+    def up(self) -> float:
+        """Start everything and wait (bounded) until healthy; return the seconds it took."""
+
+    @abstractmethod
+    def down(self) -> None:
+        """Stop and remove everything this started (bounded)."""
+
+    def leftovers(self) -> list[str]:
+        """Return what was left behind after ``down`` (containers, networks, processes, shm files)."""
+        return []
+
+    def __enter__(self) -> "Service":
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+class Cluster(Service):
+    """A vLLM cluster: up with a bounded wait, queried, hurt on purpose, always brought down."""
 
     settings: ClusterSettings
 
@@ -27,24 +53,12 @@ class Cluster(ABC):
         """The OpenAI-compatible API root, ending in ``/v1``."""
 
     @abstractmethod
-    def up(self) -> float:
-        """Start everything and wait (bounded) until healthy; return the seconds it took."""
-
-    @abstractmethod
-    def down(self) -> None:
-        """Stop and remove everything this cluster started (bounded)."""
-
-    @abstractmethod
     def is_running(self) -> bool:
         """Whether the cluster is already up and healthy."""
 
     def serves(self, settings: dict[str, str]) -> bool:
         """Whether a cluster is already up, healthy, and configured with ``settings`` (reusable)."""
         return False
-
-    def leftovers(self) -> list[str]:
-        """Return what this cluster left behind after ``down`` (containers, networks, processes, shm files)."""
-        return []
 
     @abstractmethod
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
@@ -61,14 +75,3 @@ class Cluster(ABC):
     @abstractmethod
     def kill(self, service: str) -> None:
         """Kill a node (nemesis)."""
-
-    def __enter__(self) -> "Cluster":
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()

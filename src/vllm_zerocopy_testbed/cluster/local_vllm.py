@@ -8,20 +8,18 @@ backend is the one that shows cross-host behaviour.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+from vllm_zerocopy_testbed.cluster.process import stop_group
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.serve import serve_argv, serve_env
-from vllm_zerocopy_testbed.cluster.warmup import warm_up
+from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
@@ -74,28 +72,17 @@ class LocalVllmCluster(Cluster):
         return time.monotonic() - start
 
     def _wait_healthy(self, deadline: float) -> None:
-        url = self.base_url.removesuffix("/v1") + "/health"
-        while time.monotonic() < deadline:
+        url = self.base_url.removesuffix("/v1")
+        while not is_healthy(url):
             assert self._server is not None
             if self._server.poll() is not None:
                 raise ClusterStartError(f"API server exited ({self._server.returncode})\n{self.logs(tail=60)}")
-            try:
-                with urllib.request.urlopen(url, timeout=3) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"API server not healthy within {self.up_timeout:.0f} s\n{self.logs(tail=60)}")
             time.sleep(2)
-        raise ClusterStartError(f"API server not healthy within {self.up_timeout:.0f} s\n{self.logs(tail=60)}")
 
     def down(self) -> None:
-        if self._server is not None and self._server.poll() is None:
-            os.killpg(self._server.pid, signal.SIGTERM)
-            try:
-                self._server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._server.pid, signal.SIGKILL)
-                self._server.wait(timeout=10)
+        stop_group(self._server)
         self._server = None
         self.ray.stop()
 

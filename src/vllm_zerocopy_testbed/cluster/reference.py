@@ -7,19 +7,17 @@ identical) and measure latency budgets relative to it, in the same run.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
+from vllm_zerocopy_testbed.cluster.process import stop_group
+from vllm_zerocopy_testbed.cluster.interface import ClusterStartError, Service
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
-from vllm_zerocopy_testbed.cluster.warmup import warm_up
+from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
@@ -27,7 +25,7 @@ HOST = "127.0.0.1"
 PORT = 8021
 
 
-class ReferenceServer:
+class ReferenceServer(Service):
     """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
@@ -54,7 +52,7 @@ class ReferenceServer:
                                             start_new_session=True)
         deadline = start + self.up_timeout
         url = self.base_url.removesuffix("/v1")
-        while not self._healthy(url):
+        while not is_healthy(url):
             if self._server.poll() is not None:
                 raise ClusterStartError(f"reference server exited ({self._server.returncode})\n{self.logs(60)}")
             if time.monotonic() > deadline:
@@ -64,23 +62,9 @@ class ReferenceServer:
                 logprobs=True)
         return time.monotonic() - start
 
-    @staticmethod
-    def _healthy(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
     def down(self) -> None:
         """Stop the server's process group (bounded) and remove the /dev/shm files it left."""
-        if self._server is not None and self._server.poll() is None:
-            os.killpg(self._server.pid, signal.SIGTERM)
-            try:
-                self._server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._server.pid, signal.SIGKILL)
-                self._server.wait(timeout=10)
+        stop_group(self._server)
         self._server = None
         self._shm.remove_new()
 
@@ -92,14 +76,3 @@ class ReferenceServer:
     def logs(self, tail: int | None = None) -> str:
         lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
         return "\n".join(lines[-tail:] if tail else lines)
-
-    def __enter__(self) -> "ReferenceServer":
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()

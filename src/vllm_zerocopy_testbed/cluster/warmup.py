@@ -16,7 +16,8 @@ import urllib.request
 from pathlib import Path
 
 
-def _ready(url: str) -> bool:
+def is_healthy(url: str) -> bool:
+    """Return whether the server at ``url`` (no ``/v1``) answers ``/health`` with 200 within 3 s."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
             return response.status == 200
@@ -41,7 +42,7 @@ def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, mod
     hangs (issue 5), and the suites, not the start-up, must be the ones to show that.
     """
     deadline = time.monotonic() + timeout
-    while not _ready(url):
+    while not is_healthy(url):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url}/health not answering after {timeout:.0f} s")
         time.sleep(2)
