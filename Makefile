@@ -22,7 +22,7 @@ RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
 E2E_ENV := TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e
+PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image up down logs ps
 
 help: ## list the targets
@@ -36,7 +36,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -e ".[cpu,test]"
+	$(PYTHON) -m pip install --quiet -e ".[cpu,test,bench]"
 	@# PyPI's torchvision/torchaudio/torchcodec builds break against torch 2.13.0+cpu
 	@# ("operator torchvision::nms does not exist") and then break transformers.
 	$(PYTHON) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -51,6 +51,15 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2
 
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
+
+bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, end to end per mode (< 15 min); QUICK=1 for < 3 min
+	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
+
+bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
+	$(PYTHON) -m vllm_zerocopy_testbed.bench --quick $(BENCH_ARGS)
+
+faults: $(E2E_DEPS) ## fault suites on each profile: bad input so far (4xx, server healthy, next answer unchanged)
+	$(E2E_PYTEST) -m faults $(PYTEST_ARGS)
 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)

@@ -1,116 +1,101 @@
 """What each broadcast mode costs per message, beside a memcpy of the same bytes.
 
-One writer (this process) and one reader process, through the real
-``MessageQueue``: a local reader over the shared-memory ring (or its overflow
-socket when the message exceeds a chunk) and a remote reader over TCP on
-127.0.0.2. Per message: from ``enqueue`` until the reader has rebuilt it, and
-how long ``enqueue`` itself held the writer. Medians and spread over repeats.
+One writer (this process) and reader processes, through the real
+``MessageQueue``: 1 to 3 local readers over the shared-memory ring (or its
+overflow socket when a message exceeds the 24 MiB chunk), or one remote reader
+over TCP on 127.0.0.2. Per message: from ``enqueue`` until every reader has
+rebuilt it, and how long ``enqueue`` itself held the writer. Each figure is
+repeated until stable and shown with the memcpy time of the same bytes,
+measured in the same run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from vllm_zerocopy_testbed.bench.stats import Sample, until_stable
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import MessageQueueHarness, QueueTopology
 
-MiB = 1 << 20
-PATHS = {
-    "local": QueueTopology(local_readers=1),  # ring up to 24 MiB chunks, overflow above
-    "remote-tcp": QueueTopology(local_readers=0, remote_readers=1),
+KiB, MiB = 1 << 10, 1 << 20
+TOPOLOGIES = {
+    "local-1": QueueTopology(local_readers=1),
+    "local-2": QueueTopology(local_readers=2),
+    "local-3": QueueTopology(local_readers=3),
+    "remote-1": QueueTopology(local_readers=0, remote_readers=1),
 }
+FULL_SIZES = (64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+QUICK_SIZES = (1 * MiB, 16 * MiB)
+MODES = (PatchMode.OFF, PatchMode.UPSTREAM, PatchMode.TESTBED)
 
 
 @dataclass(frozen=True)
-class Figure:
-    """One (path, size, mode) cell: medians in ms and spread as IQR / median."""
+class BroadcastFigure:
+    """One (topology, size, mode) cell."""
 
-    path: str
-    mib: int
+    topology: str
+    nbytes: int
     mode: str
-    message_ms: float
+    message: Sample
     enqueue_ms: float
-    memcpy_ms: float
-    spread: float
+    memcpy: Sample
 
     @property
     def ratio_to_memcpy(self) -> float:
-        return self.message_ms / self.memcpy_ms
+        return self.message.median_ms / self.memcpy.median_ms
 
 
-def _iqr_ratio(values: list[float]) -> float:
-    q = statistics.quantiles(values, n=4)
-    return (q[2] - q[0]) / statistics.median(values)
-
-
-def memcpy_ms(nbytes: int, repeats: int) -> float:
-    """Median time of copying ``nbytes`` between two pre-touched buffers."""
+def memcpy(nbytes: int, budget_s: float) -> Sample:
+    """Time copying ``nbytes`` between two pre-touched buffers (the physical floor of a copy)."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(repeats):
+
+    def once() -> float:
         start = time.perf_counter()
         dst.copy_(src)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        return (time.perf_counter() - start) * 1e3
+
+    return until_stable(once, min_n=7, max_n=200, budget_s=budget_s)
 
 
-def measure(path: str, mib: int, mode: PatchMode, repeats: int, baseline: float) -> Figure:
-    tensor = torch.randn(mib * MiB // 4)
-    message, held = [], []
-    with MessageQueueHarness(PATHS[path], mode, ack_only=True) as harness:
-        for i in range(repeats + 2):  # two warm-up messages
-            start = time.perf_counter()
-            harness.send({"prompt_embeds": tensor})
-            sent = time.perf_counter()
-            harness.collect()
-            if i >= 2:
-                message.append((time.perf_counter() - start) * 1e3)
-                held.append((sent - start) * 1e3)
-    return Figure(path, mib, mode.value, statistics.median(message), statistics.median(held),
-                  baseline, _iqr_ratio(message))
-
-
-def to_markdown(figures: list[Figure]) -> str:
-    lines = ["| path | MiB | mode | per message (ms) | enqueue held (ms) | memcpy (ms) | x memcpy | spread |",
-             "|---|---|---|---|---|---|---|---|"]
-    for f in figures:
-        flag = " (>5%)" if f.spread > 0.05 else ""
-        lines.append(f"| {f.path} | {f.mib} | {f.mode} | {f.message_ms:.2f} | {f.enqueue_ms:.2f} | "
-                     f"{f.memcpy_ms:.2f} | {f.ratio_to_memcpy:.1f} | {f.spread:.0%}{flag} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="1,4,16,64", help="MiB, comma-separated")
-    parser.add_argument("--modes", default="upstream,testbed,off")
-    parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("reports") / f"bench-broadcast-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = parser.parse_args(argv)
+def measure(topology: str, sizes: tuple[int, ...], mode: PatchMode, *, budget_s: float,
+            baselines: dict[int, Sample], progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
+    """Measure every size for one topology and mode with one set of reader processes."""
     figures = []
-    for path in args.paths.split(","):
-        for mib in (int(s) for s in args.sizes.split(",")):
-            baseline = memcpy_ms(mib * MiB, args.repeats)
-            for mode in args.modes.split(","):
-                figure = measure(path, mib, PatchMode(mode), args.repeats, baseline)
-                figures.append(figure)
-                print(f"{path:10} {mib:4} MiB {mode:9} {figure.message_ms:8.2f} ms/msg "
-                      f"(enqueue {figure.enqueue_ms:.2f} ms, memcpy {baseline:.2f} ms, spread {figure.spread:.0%})",
-                      flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "broadcast.json").write_text(json.dumps([asdict(f) for f in figures], indent=1))
-    (args.out / "broadcast.md").write_text(to_markdown(figures) + "\n")
-    print(to_markdown(figures))
-    print(f"written: {args.out}/broadcast.json, broadcast.md")
+    with MessageQueueHarness(TOPOLOGIES[topology], mode, timeout=120, ack_only=True) as harness:
+        for nbytes in sizes:
+            tensor = torch.randn(nbytes // 4)
+            held: list[float] = []
+
+            def once() -> float:
+                start = time.perf_counter()
+                harness.send({"prompt_embeds": tensor})
+                held.append((time.perf_counter() - start) * 1e3)
+                harness.collect()
+                return (time.perf_counter() - start) * 1e3
+
+            for _ in range(2):  # warm-up: first-touch of ring and buffers
+                once()
+            held.clear()
+            sample = until_stable(once, min_n=5, max_n=25, budget_s=budget_s)
+            figure = BroadcastFigure(topology, nbytes, mode.value, sample, sorted(held)[len(held) // 2],
+                                     baselines[nbytes])
+            figures.append(figure)
+            progress(figure)
+    return figures
 
 
-if __name__ == "__main__":
-    main()
+def run(*, quick: bool, progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
+    """Run the grid: every topology (quick: local-1 and remote-1), size and mode."""
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    topologies = ("local-1", "remote-1") if quick else tuple(TOPOLOGIES)
+    budget = 2.0 if quick else 6.0
+    baselines = {n: memcpy(n, budget) for n in sizes}
+    figures = []
+    for topology in topologies:
+        for mode in MODES:
+            figures += measure(topology, sizes, mode, budget_s=budget, baselines=baselines, progress=progress)
+    return figures

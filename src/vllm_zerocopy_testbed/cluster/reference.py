@@ -45,8 +45,10 @@ class ReferenceServer(Service):
         build(DEFAULT_DIR)
         values = {**self.settings.values, "TESTBED_MODEL": str(DEFAULT_DIR)}
         argv = serve_argv(replace(self.settings, values=values), host=HOST, port=PORT, single_process=True)
-        # One core: the cluster's nodes are pinned one core each, and so is this process.
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        # The cluster's settings (VLLM_CPU_KVCACHE_SPACE above all: without it vLLM-CPU
+        # reserves 92% of the host's memory and refuses to start when less is free), and one
+        # thread, unbound: the cluster's nodes have one core each.
+        env = {**os.environ, **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
         with open(self._log, "wb") as out:
             self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)

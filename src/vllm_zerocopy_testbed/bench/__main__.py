@@ -1,0 +1,58 @@
+"""``make bench``: broadcast, channel and end-to-end benchmarks; report in reports/bench-<time>/."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+from vllm_zerocopy_testbed.bench import broadcast, channel, e2e, report
+from vllm_zerocopy_testbed.config import REPO_ROOT
+
+PARTS = ("broadcast", "channel", "e2e")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no cluster start (< 3 min)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")
+    out = args.out or REPO_ROOT / "reports" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    start = time.monotonic()
+    notes: list[str] = []
+
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - start:6.1f} s] {text}", flush=True)
+
+    results: dict[str, list] = {"broadcast": [], "channel": [], "e2e": []}
+    if "broadcast" in parts:
+        say("broadcast: MessageQueue, modes off/upstream/testbed")
+        results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
+            f"  {f.topology:8} {f.nbytes >> 10:>7} KiB {f.mode:8} {f.message.median_ms:9.2f} ms/msg "
+            f"(spread {f.message.spread:.0%}, n={f.message.n}, enqueue {f.enqueue_ms:.2f} ms, "
+            f"{f.ratio_to_memcpy:.1f} x memcpy)"))
+    if "channel" in parts:
+        say("channel: compiled graph over two Ray nodes, none/detach/lists")
+        results["channel"] = channel.run(quick=args.quick, progress=lambda f: say(
+            f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%})"))
+    if "e2e" in parts:
+        say("e2e: single-process reference, then the cluster per mode")
+        results["e2e"] = e2e.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(
+            f"  {f.server:16} {f.workload:14} total p50 {f.total_p50:.3f} s p95 {f.total_p95:.3f} s "
+            f"TTFT p50 {f.ttft_p50:.3f} s {f.tokens_per_s:.1f} tok/s"))
+    meta = {"quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores", "notes": notes,
+            "seconds": round(time.monotonic() - start, 1)}
+    written = report.write(out, meta=meta, **results)
+    print((out / "bench.md").read_text())
+    say(f"written: {', '.join(str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p) for p in written)}")
+
+
+if __name__ == "__main__":
+    main()

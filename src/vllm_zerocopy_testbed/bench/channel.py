@@ -1,0 +1,111 @@
+"""What detaching costs on Ray's compiled-graph channel, beside not detaching and converting to lists.
+
+A 2-node compiled graph (this driver on 127.0.0.3, the producer actor on
+127.0.0.2) returns logprobs-shaped ``ModelRunnerOutput``s of growing size
+(``num_reqs`` rows of k=20). Per step, from ``execute`` until the driver holds
+an output it may keep:
+
+- ``none``: the read-only zero-copy arrays as they arrive (the driver drops
+  them at once here; kept, they stall the channel: issue 35319);
+- ``detach``: the testbed's detach (copy every read-only array);
+- ``lists``: the actor converts the arrays to Python lists before returning
+  (upstream PR 41218's approach): nothing to detach, larger pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm_zerocopy_testbed.bench.stats import Sample, until_stable
+
+VARIANTS = ("none", "detach", "lists")
+FULL_REQS = (8, 64, 512, 4096)
+QUICK_REQS = (64, 4096)
+_DRIVER_IP, _ACTOR_IP = "127.0.0.3", "127.0.0.2"
+_REMOTE = "testbed_bench_node"
+
+
+@dataclass(frozen=True)
+class ChannelFigure:
+    variant: str
+    num_reqs: int
+    step: Sample
+
+
+def _driver(address: str, reqs: list[int], budget_s: float) -> None:
+    """Child process: run every variant x size, print one JSON line, leave with ``os._exit``."""
+    import numpy as np
+    import ray
+    from ray.dag import InputNode
+
+    from vllm_zerocopy_testbed.harness.ray_channel import OutputShape, make_output
+    from vllm_zerocopy_testbed.patches.detach import detach_output
+
+    ray.init(address=address, _node_ip_address=_DRIVER_IP, logging_level="ERROR")
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def __init__(self, num_reqs: int, as_lists: bool) -> None:
+            self.output = make_output(0, OutputShape(num_reqs=num_reqs, num_logprobs=20))
+            if as_lists:
+                lp = self.output.logprobs
+                self.output.logprobs = type(lp)(*(x.tolist() if isinstance(x, np.ndarray) else x for x in lp))
+
+        def step(self, step: int) -> Any:
+            return self.output
+
+    results = []
+    for num_reqs in reqs:
+        for variant in VARIANTS:
+            actor = Producer.options(resources={_REMOTE: 0.01}).remote(num_reqs, variant == "lists")
+            with InputNode() as inp:
+                dag = actor.step.bind(inp)
+            compiled = dag.experimental_compile()
+            counter = iter(range(1 << 30))
+
+            def once() -> float:
+                start = time.perf_counter()
+                output = compiled.execute(next(counter)).get(timeout=60)
+                if variant == "detach":
+                    detach_output(output)
+                elapsed = (time.perf_counter() - start) * 1e3
+                del output  # drop zero-copy views before the next read
+                return elapsed
+
+            for _ in range(3):
+                once()
+            sample = until_stable(once, min_n=10, max_n=300, budget_s=budget_s)
+            results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": sample.median_ms,
+                            "spread": sample.spread, "n": sample.n})
+            compiled.teardown()
+            ray.kill(actor)
+    print(json.dumps(results))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run(*, quick: bool, progress: Callable[[ChannelFigure], None]) -> list[ChannelFigure]:
+    """Start two local Ray nodes, run the driver in a child process, return its figures."""
+    from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+
+    reqs = QUICK_REQS if quick else FULL_REQS
+    nodes = [RayNodeSpec(_DRIVER_IP), RayNodeSpec(_ACTOR_IP, resources={_REMOTE: 1})]
+    with LocalRayCluster(nodes) as cluster:
+        code = ("import sys; from vllm_zerocopy_testbed.bench.channel import _driver; "
+                f"_driver({cluster.address!r}, {list(reqs)!r}, {1.0 if quick else 3.0})")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "RAY_ADDRESS": cluster.address})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    if not lines:
+        raise RuntimeError(f"channel bench driver failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    figures = [ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]))
+               for r in json.loads(lines[-1])]
+    for figure in figures:
+        progress(figure)
+    return figures

@@ -1,0 +1,133 @@
+"""The bench report: JSON first, then Markdown tables and PNG plots drawn from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
+from vllm_zerocopy_testbed.bench.channel import ChannelFigure
+from vllm_zerocopy_testbed.bench.e2e import LatencyFigure
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _flag(spread: float) -> str:
+    return f"{spread:.0%}" + (" ⚠" if spread > 0.05 else "")
+
+
+def broadcast_table(figures: list[BroadcastFigure]) -> str:
+    upstream = {(f.topology, f.nbytes): f.message.median_ms for f in figures if f.mode == "upstream"}
+    lines = ["| readers | size | mode | per message (ms) | spread | enqueue held (ms) | memcpy (ms) | x memcpy "
+             "| / upstream |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in figures:
+        base = upstream.get((f.topology, f.nbytes))
+        ratio = f"{f.message.median_ms / base:.2f}" if base else "-"
+        lines.append(f"| {f.topology} | {_size(f.nbytes)} | {f.mode} | {f.message.median_ms:.2f} | "
+                     f"{_flag(f.message.spread)} | {f.enqueue_ms:.2f} | {f.memcpy.median_ms:.3f} | "
+                     f"{f.ratio_to_memcpy:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def channel_table(figures: list[ChannelFigure]) -> str:
+    none = {f.num_reqs: f.step.median_ms for f in figures if f.variant == "none"}
+    lines = ["| requests x k=20 | variant | per step (ms) | spread | / none |", "|---|---|---|---|---|"]
+    for f in figures:
+        ratio = f"{f.step.median_ms / none[f.num_reqs]:.2f}" if none.get(f.num_reqs) else "-"
+        lines.append(f"| {f.num_reqs} | {f.variant} | {f.step.median_ms:.3f} | {_flag(f.step.spread)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def e2e_table(figures: list[LatencyFigure]) -> str:
+    reference = {f.workload: f for f in figures if f.server == "single-process"}
+    lines = ["| server | workload | n | TTFT p50/p95/p99 (s) | per token p50 (ms) | total p50/p95/p99 (s) | "
+             "tokens/s | total p50 / single-process |", "|---|---|---|---|---|---|---|---|"]
+    for f in figures:
+        ref = reference.get(f.workload)
+        ratio = f"{f.total_p50 / ref.total_p50:.1f}" if ref and ref.total_p50 else "-"
+        lines.append(f"| {f.server} | {f.workload} | {f.requests} | {f.ttft_p50:.3f} / {f.ttft_p95:.3f} / "
+                     f"{f.ttft_p99:.3f} | {f.per_token_p50 * 1e3:.1f} | {f.total_p50:.3f} / {f.total_p95:.3f} / "
+                     f"{f.total_p99:.3f} | {f.tokens_per_s:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFigure],
+           e2e: list[LatencyFigure]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if broadcast:
+        topologies = sorted({f.topology for f in broadcast})
+        fig, axes = plt.subplots(1, len(topologies), figsize=(4.5 * len(topologies), 4), squeeze=False)
+        for ax, topology in zip(axes[0], topologies):
+            cells = [f for f in broadcast if f.topology == topology]
+            for mode in ("off", "upstream", "testbed"):
+                points = sorted((f.nbytes, f.message.median_ms) for f in cells if f.mode == mode)
+                ax.plot([p[0] / (1 << 20) for p in points], [p[1] for p in points], marker="o", label=mode)
+            memcpy = sorted({(f.nbytes, f.memcpy.median_ms) for f in cells})
+            ax.plot([p[0] / (1 << 20) for p in memcpy], [p[1] for p in memcpy], "k--", label="memcpy")
+            ax.set(xscale="log", yscale="log", xlabel="tensor (MiB)", ylabel="ms per message", title=topology)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        written.append(out / "broadcast.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if channel:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for variant in ("none", "detach", "lists"):
+            points = sorted((f.num_reqs, f.step.median_ms) for f in channel if f.variant == variant)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
+        ax.set(xscale="log", yscale="log", xlabel="requests per step (k=20)", ylabel="ms per step",
+               title="compiled-graph channel")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "channel.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if e2e:
+        workloads = sorted({f.workload for f in e2e})
+        servers = list(dict.fromkeys(f.server for f in e2e))
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(servers)
+        for i, server in enumerate(servers):
+            values = [next((f.total_p50 for f in e2e if f.server == server and f.workload == w), 0) for w in workloads]
+            ax.bar([x + i * width for x in range(len(workloads))], values, width, label=server)
+        ax.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(workloads))], workloads)
+        ax.set(ylabel="total p50 (s)", title="end to end")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "e2e.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelFigure], e2e: list[LatencyFigure],
+          meta: dict[str, Any]) -> list[Path]:
+    """Write bench.json, bench.md and the plots under ``out``; return their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "broadcast": [asdict(f) for f in broadcast], "channel": [asdict(f) for f in channel],
+            "e2e": [asdict(f) for f in e2e]}
+    (out / "bench.json").write_text(json.dumps(data, indent=1))
+    plots = _plots(out, broadcast, channel, e2e)
+    md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
+          "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
+          "⚠ marks a spread above 5%. Ratios are within this run.", ""]
+    for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
+                               ("Compiled-graph channel: detach vs none vs lists",
+                                channel_table(channel) if channel else "", "channel"),
+                               ("End to end", e2e_table(e2e) if e2e else "", "e2e")):
+        if table:
+            md += [f"## {title}", "", table, "", f"![{plot}]({plot}.png)", ""]
+    md += [f"- {n}" for n in meta.get("notes", [])]
+    (out / "bench.md").write_text("\n".join(md) + "\n")
+    return [out / "bench.json", out / "bench.md", *plots]

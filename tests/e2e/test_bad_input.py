@@ -1,0 +1,49 @@
+"""Bad input on the live cluster: a 4xx with a message, a healthy server, and the next answer unchanged.
+
+A 5xx or a dead server is a finding (possibly a vLLM bug worth reporting): the
+test goes red and the report lists the answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_zerocopy_testbed.checker import bitexact, timeouts
+from vllm_zerocopy_testbed.suite import REPORT, REQUEST_TIMEOUT_S, SETTINGS, SIZES, LiveCluster, judge
+from vllm_zerocopy_testbed.workload import bad_input
+from vllm_zerocopy_testbed.workload.catalog import plain_specs
+from vllm_zerocopy_testbed.workload.requests import Record
+
+pytestmark = [pytest.mark.faults, pytest.mark.suite("bad-input"), pytest.mark.timeout(900)]
+
+# Without logprobs, so that the check also runs on the compiled-graph executor (issue 5).
+_VALID = plain_specs(SIZES)[:2]
+CASES = bad_input.cases(SETTINGS["TESTBED_SERVED_MODEL"], max_model_len=int(SETTINGS["TESTBED_MAX_MODEL_LEN"]))
+
+
+@pytest.fixture(scope="session")
+def before(cluster: LiveCluster) -> dict[str, Record]:
+    """Answers to valid requests before any bad input: what every later answer must equal."""
+    records = cluster.run("bad-input", _VALID)
+    judge(cluster, timeouts.check(records))
+    return bitexact.first_answers(records)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bad_input_gets_a_4xx_and_costs_nothing(cluster: LiveCluster, before: dict[str, Record],
+                                                case: bad_input.BadRequest) -> None:
+    if cluster.dead:
+        pytest.fail(f"not run: {cluster.dead}")
+    answer = bad_input.send(cluster.backend.base_url, case, timeout=REQUEST_TIMEOUT_S)
+    REPORT.notes.append(f"{cluster.profile} bad input `{case.name}` ({case.what}): "
+                        f"HTTP {answer.status} in {answer.seconds:.2f} s: {answer.message}")
+    after = cluster.run("bad-input", _VALID)
+    problems = []
+    if answer.status is None or not 400 <= answer.status < 500:
+        problems.append(f"{case.what}: HTTP {answer.status}, want 4xx: {answer.message}")
+    elif not answer.message.strip():
+        problems.append(f"{case.what}: HTTP {answer.status} without a message")
+    if not cluster.healthy():
+        problems.append(f"{case.what}: /health fails after it")
+    verdict = bitexact.check(after, before, name="valid answers after the bad input")
+    assert not problems and verdict.ok, "\n".join(problems + ([str(verdict)] if not verdict.ok else []))

@@ -1,0 +1,34 @@
+"""Bench statistics and report tables (the measurements themselves run in `make bench`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
+from vllm_zerocopy_testbed.bench.report import broadcast_table
+from vllm_zerocopy_testbed.bench.stats import Sample, spread, until_stable
+
+pytestmark = pytest.mark.unit
+
+
+def test_spread_is_iqr_over_median() -> None:
+    assert spread([10, 10, 10, 10, 10]) == 0
+    assert spread([8, 9, 10, 11, 12]) == pytest.approx(0.3)
+
+
+def test_until_stable_stops_early_when_stable_and_at_the_cap_when_not() -> None:
+    steady = until_stable(lambda: 1.0, min_n=5, max_n=100, budget_s=60)
+    assert steady.n == 5 and not steady.unstable
+    noisy = itertools.cycle([1.0, 3.0])
+    capped = until_stable(lambda: next(noisy), min_n=5, max_n=12, budget_s=60)
+    assert capped.n == 12 and capped.unstable
+
+
+def test_broadcast_table_gives_ratios_to_memcpy_and_upstream() -> None:
+    memcpy = Sample(2.0, 0.01, 9)
+    figures = [BroadcastFigure("remote-1", 16 << 20, mode, Sample(ms, 0.02, 7), 0.1, memcpy)
+               for mode, ms in (("upstream", 6.0), ("testbed", 6.6))]
+    table = broadcast_table(figures)
+    assert "| remote-1 | 16 MiB | testbed | 6.60 | 2% | 0.10 | 2.000 | 3.3 | 1.10 |" in table
