@@ -80,7 +80,7 @@ def measure(topology: str, sizes: tuple[int, ...], mode: PatchMode, *, budget_s:
             for _ in range(2):  # warm-up: first-touch of ring and buffers
                 once()
             held.clear()
-            sample = until_stable(once, min_n=5, max_n=25, budget_s=budget_s)
+            sample = until_stable(once, min_n=5, max_n=15, budget_s=budget_s)
             figure = BroadcastFigure(topology, nbytes, mode.value, sample, sorted(held)[len(held) // 2],
                                      baselines[nbytes])
             figures.append(figure)
@@ -92,7 +92,7 @@ def run(*, quick: bool, progress: Callable[[BroadcastFigure], None]) -> list[Bro
     """Run the grid: every topology (quick: local-1 and remote-1), size and mode."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     topologies = ("local-1", "remote-1") if quick else tuple(TOPOLOGIES)
-    budget = 2.0 if quick else 6.0
+    budget = 1.5 if quick else 3.0
     baselines = {n: memcpy(n, budget) for n in sizes}
     figures = []
     for topology in topologies:

@@ -38,8 +38,12 @@ class ChannelFigure:
     step: Sample
 
 
-def _driver(address: str, reqs: list[int], budget_s: float) -> None:
-    """Child process: run every variant x size, print one JSON line, leave with ``os._exit``."""
+def _driver(address: str, variant: str, reqs: list[int], budget_s: float) -> None:
+    """Child process: one compiled graph for ``variant``, every size through it; print JSON, ``os._exit``.
+
+    One graph per process and no teardown: tearing down a compiled graph with a
+    cross-node channel crashed the remote raylet here (``experimental_mutable_object_provider.cc``).
+    """
     import numpy as np
     import ray
     from ray.dag import InputNode
@@ -51,61 +55,64 @@ def _driver(address: str, reqs: list[int], budget_s: float) -> None:
 
     @ray.remote(num_cpus=0)
     class Producer:
-        def __init__(self, num_reqs: int, as_lists: bool) -> None:
-            self.output = make_output(0, OutputShape(num_reqs=num_reqs, num_logprobs=20))
-            if as_lists:
-                lp = self.output.logprobs
-                self.output.logprobs = type(lp)(*(x.tolist() if isinstance(x, np.ndarray) else x for x in lp))
+        def __init__(self, sizes: list[int], as_lists: bool) -> None:
+            self.outputs = {}
+            for n in sizes:
+                output = make_output(0, OutputShape(num_reqs=n, num_logprobs=20))
+                if as_lists:
+                    lp = output.logprobs
+                    output.logprobs = type(lp)(*(x.tolist() if isinstance(x, np.ndarray) else x for x in lp))
+                self.outputs[n] = output
 
-        def step(self, step: int) -> Any:
-            return self.output
+        def step(self, num_reqs: int) -> Any:
+            return self.outputs[num_reqs]
 
+    actor = Producer.options(resources={_REMOTE: 0.01}).remote(reqs, variant == "lists")
+    with InputNode() as inp:
+        dag = actor.step.bind(inp)
+    compiled = dag.experimental_compile()
     results = []
     for num_reqs in reqs:
-        for variant in VARIANTS:
-            actor = Producer.options(resources={_REMOTE: 0.01}).remote(num_reqs, variant == "lists")
-            with InputNode() as inp:
-                dag = actor.step.bind(inp)
-            compiled = dag.experimental_compile()
-            counter = iter(range(1 << 30))
+        def once() -> float:
+            start = time.perf_counter()
+            output = compiled.execute(num_reqs).get(timeout=60)
+            if variant == "detach":
+                detach_output(output)
+            elapsed = (time.perf_counter() - start) * 1e3
+            del output  # drop zero-copy views before the next read
+            return elapsed
 
-            def once() -> float:
-                start = time.perf_counter()
-                output = compiled.execute(next(counter)).get(timeout=60)
-                if variant == "detach":
-                    detach_output(output)
-                elapsed = (time.perf_counter() - start) * 1e3
-                del output  # drop zero-copy views before the next read
-                return elapsed
-
-            for _ in range(3):
-                once()
-            sample = until_stable(once, min_n=10, max_n=300, budget_s=budget_s)
-            results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": sample.median_ms,
-                            "spread": sample.spread, "n": sample.n})
-            compiled.teardown()
-            ray.kill(actor)
+        for _ in range(3):
+            once()
+        sample = until_stable(once, min_n=10, max_n=300, budget_s=budget_s)
+        results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": sample.median_ms,
+                        "spread": sample.spread, "n": sample.n})
     print(json.dumps(results))
     sys.stdout.flush()
     os._exit(0)
 
 
-def run(*, quick: bool, progress: Callable[[ChannelFigure], None]) -> list[ChannelFigure]:
-    """Start two local Ray nodes, run the driver in a child process, return its figures."""
+def run(*, quick: bool, progress: Callable[[ChannelFigure], None],
+        note: Callable[[str], None] = print) -> list[ChannelFigure]:
+    """Per variant: two fresh local Ray nodes and a driver child process; return the figures."""
     from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 
     reqs = QUICK_REQS if quick else FULL_REQS
     nodes = [RayNodeSpec(_DRIVER_IP), RayNodeSpec(_ACTOR_IP, resources={_REMOTE: 1})]
-    with LocalRayCluster(nodes) as cluster:
-        code = ("import sys; from vllm_zerocopy_testbed.bench.channel import _driver; "
-                f"_driver({cluster.address!r}, {list(reqs)!r}, {1.0 if quick else 3.0})")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "RAY_ADDRESS": cluster.address})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    if not lines:
-        raise RuntimeError(f"channel bench driver failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    figures = [ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]))
-               for r in json.loads(lines[-1])]
-    for figure in figures:
-        progress(figure)
+    figures = []
+    for variant in VARIANTS:
+        with LocalRayCluster(nodes) as cluster:
+            code = ("from vllm_zerocopy_testbed.bench.channel import _driver; "
+                    f"_driver({cluster.address!r}, {variant!r}, {list(reqs)!r}, {1.0 if quick else 2.0})")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "RAY_ADDRESS": cluster.address})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        if not lines:
+            note(f"channel bench, variant {variant}: the driver failed ({proc.returncode}): "
+                 f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
+            continue
+        for r in json.loads(lines[-1]):
+            figure = ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]))
+            figures.append(figure)
+            progress(figure)
     return figures

@@ -87,7 +87,7 @@ def run(*, quick: bool, progress: Callable[[LatencyFigure], None],
     settings = ClusterSettings.from_env()
     sizes = EmbedsSizes.for_chunk(int(settings.values.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")))
     concurrency = 2 * int(settings["TESTBED_MAX_NUM_SEQS"])
-    workloads = _workloads(sizes, 5 if quick else 12, concurrency)
+    workloads = _workloads(sizes, 5 if quick else 10, concurrency)
     modes = [PatchMode.UPSTREAM, PatchMode.TESTBED]
     profiles = [Profile(Executor.V2, m, m) for m in modes]
     if quick:
