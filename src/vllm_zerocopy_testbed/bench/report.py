@@ -55,6 +55,19 @@ def e2e_table(figures: list[LatencyFigure]) -> str:
     return "\n".join(lines)
 
 
+def _log_log(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFigure],
            e2e: list[LatencyFigure]) -> list[Path]:
     import matplotlib
@@ -73,26 +86,15 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
                 ax.plot([p[0] / (1 << 20) for p in points], [p[1] for p in points], marker="o", label=mode)
             memcpy = sorted({(f.nbytes, f.memcpy.median_ms) for f in cells})
             ax.plot([p[0] / (1 << 20) for p in memcpy], [p[1] for p in memcpy], "k--", label="memcpy")
-            ax.set(xscale="log", yscale="log", xlabel="tensor (MiB)", ylabel="ms per message", title=topology)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        written.append(out / "broadcast.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+            _log_log(ax, "tensor (MiB)", "ms per message", topology)
+        written.append(_save(plt, fig, out / "broadcast.png"))
     if channel:
         fig, ax = plt.subplots(figsize=(5, 4))
         for variant in ("none", "detach", "lists"):
             points = sorted((f.num_reqs, f.step.median_ms) for f in channel if f.variant == variant)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
-        ax.set(xscale="log", yscale="log", xlabel="requests per step (k=20)", ylabel="ms per step",
-               title="compiled-graph channel")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        written.append(out / "channel.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        _log_log(ax, "requests per step (k=20)", "ms per step", "compiled-graph channel")
+        written.append(_save(plt, fig, out / "channel.png"))
     if e2e:
         workloads = sorted({f.workload for f in e2e})
         servers = list(dict.fromkeys(f.server for f in e2e))
@@ -104,10 +106,7 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
         ax.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(workloads))], workloads)
         ax.set(ylabel="total p50 (s)", title="end to end")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "e2e.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(_save(plt, fig, out / "e2e.png"))
     return written
 
 
