@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
-import torch
 from openai import OpenAI
 
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.suite import REQUEST_TIMEOUT_S
+from vllm_zerocopy_testbed.workload.embeds import encode, rows_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smoke, pytest.mark.suite("smoke"), pytest.mark.timeout(1500)]
 
 PROMPT = "Pipeline parallel stages pass hidden states"
-# Past RAY_CGRAPH_get_timeout: a compiled-graph stall ends as the server's error first.
-REQUEST_TIMEOUT_S = 180
 
 
 def _embeds_of(prompt: str) -> tuple[list[int], str]:
     """Return the prompt's token ids and base64 of ``torch.save`` of their embedding rows."""
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    model_dir = DEFAULT_DIR
-    build(model_dir)  # same bytes as the image's /model (deterministic builder)
-    ids = AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
-    rows = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"][ids]
-    buffer = io.BytesIO()
-    torch.save(rows.clone(), buffer)
-    return ids, base64.b64encode(buffer.getvalue()).decode()
+    build(DEFAULT_DIR)  # same bytes as the image's /model (deterministic builder)
+    ids = AutoTokenizer.from_pretrained(DEFAULT_DIR)(prompt)["input_ids"]
+    return ids, encode(rows_for(ids))
 
 
 @pytest.mark.known("cgraph_logprobs")

@@ -16,7 +16,8 @@ WIRE_PREFIX = "mq-send"
 # Control messages are small; only messages at least this big are logged.
 MIN_LOGGED_BYTES = 512 * 1024
 
-_tapped: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# MessageQueue socket -> its path ("remote" or "overflow"); other sockets are not tapped.
+_tapped: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 _installed = False
 
 
@@ -47,18 +48,15 @@ def install(log: logging.Logger) -> None:
         for name in ("local_socket", "remote_socket"):
             socket = getattr(self, name, None)
             if socket is not None:
-                _tapped.add(socket)
-                socket_paths[id(socket)] = "overflow" if name == "local_socket" else "remote"
-
-    socket_paths: dict[int, str] = {}
+                _tapped[socket] = "overflow" if name == "local_socket" else "remote"
 
     def send_multipart(self: Any, msg_parts: Any, *args: Any, **kwargs: Any) -> Any:
-        if self in _tapped:
-            parts = list(msg_parts)
-            sizes = [_nbytes(p) for p in parts]
+        path = _tapped.get(self)
+        if path is not None:
+            msg_parts = list(msg_parts)
+            sizes = [_nbytes(p) for p in msg_parts]
             if sum(sizes) >= MIN_LOGGED_BYTES:
-                log.info(wire_line(socket_paths.get(id(self), "?"), sizes))
-            msg_parts = parts
+                log.info(wire_line(path, sizes))
         return original_send(self, msg_parts, *args, **kwargs)
 
     MessageQueue.__init__ = init  # type: ignore[method-assign]

@@ -7,7 +7,6 @@ not a client library, decides what goes on the wire.
 from __future__ import annotations
 
 import base64
-import io
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,12 +37,6 @@ class BadAnswer:
     seconds: float
 
 
-def _saved(tensor: torch.Tensor) -> str:
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
 def cases(model: str, max_model_len: int, max_logprobs: int = 20) -> list[BadRequest]:
     """Return the malformed requests the fault suite sends."""
     base = {"model": model, "max_tokens": 4, "temperature": 0}
@@ -56,15 +49,15 @@ def cases(model: str, max_model_len: int, max_logprobs: int = 20) -> list[BadReq
         BadRequest("embeds-not-base64", "prompt_embeds is not base64", embeds("@@not base64@@")),
         BadRequest("embeds-not-torch", "base64 of bytes that are not a torch.save file",
                    embeds(base64.b64encode(b"hello world").decode())),
-        BadRequest("embeds-rank-1", "a 1-D tensor", embeds(_saved(good[0].clone()))),
-        BadRequest("embeds-rank-4", "a 4-D tensor", embeds(_saved(good.reshape(1, 1, 8, HIDDEN).clone()))),
-        BadRequest("embeds-hidden", f"hidden size 64, the model's is {HIDDEN}", embeds(_saved(good[:, :64].clone()))),
-        BadRequest("embeds-nan", "a NaN in the rows", embeds(_saved(nan_rows))),
-        BadRequest("embeds-inf", "an inf in the rows", embeds(_saved(inf_rows))),
-        BadRequest("embeds-empty", "zero rows", embeds(_saved(torch.zeros(0, HIDDEN)))),
+        BadRequest("embeds-rank-1", "a 1-D tensor", embeds(encode(good[0].clone()))),
+        BadRequest("embeds-rank-4", "a 4-D tensor", embeds(encode(good.reshape(1, 1, 8, HIDDEN).clone()))),
+        BadRequest("embeds-hidden", f"hidden size 64, the model's is {HIDDEN}", embeds(encode(good[:, :64].clone()))),
+        BadRequest("embeds-nan", "a NaN in the rows", embeds(encode(nan_rows))),
+        BadRequest("embeds-inf", "an inf in the rows", embeds(encode(inf_rows))),
+        BadRequest("embeds-empty", "zero rows", embeds(encode(torch.zeros(0, HIDDEN)))),
         BadRequest("embeds-too-long", f"{max_model_len + 1} rows, past --max-model-len",
                    embeds(encode(rows_for(token_ids(max_model_len + 1))))),
-        BadRequest("embeds-int", "an integer tensor", embeds(_saved(torch.ones(8, HIDDEN, dtype=torch.int64)))),
+        BadRequest("embeds-int", "an integer tensor", embeds(encode(torch.ones(8, HIDDEN, dtype=torch.int64)))),
         BadRequest("logprobs-too-many", f"logprobs={max_logprobs + 1}, past --max-logprobs",
                    {**base, "prompt": list(token_ids(8)), "logprobs": max_logprobs + 1}),
         BadRequest("embeds-with-prompt-logprobs", "prompt_embeds together with prompt_logprobs",
