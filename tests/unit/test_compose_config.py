@@ -15,10 +15,12 @@ from vllm_zerocopy_testbed.config import COMPOSE_DIR, ClusterSettings
 pytestmark = pytest.mark.unit
 
 
-def _rendered(**overrides: str) -> dict:
+def _rendered(profile: str = "cpu", **overrides: str) -> dict:
     compose = Path(sys.executable).with_name("docker-compose")
-    env = {**os.environ, **ClusterSettings.from_env().values, **overrides}
-    out = subprocess.run([str(compose), "-f", str(COMPOSE_DIR / "compose.yaml"), "config", "--format", "json"],
+    settings = ClusterSettings.from_env({**os.environ, "TESTBED_PROFILE": profile})
+    env = {**os.environ, **settings.values, **overrides}
+    files = [arg for f in settings.compose_files for arg in ("-f", str(f))]
+    out = subprocess.run([str(compose), *files, "config", "--format", "json"],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
 
@@ -48,3 +50,24 @@ def test_modes_reach_every_node() -> None:
     for service in services.values():
         assert service["environment"]["TESTBED_BROADCAST"] == "off"
         assert service["environment"]["TESTBED_DETACH"] == "upstream"
+
+
+def test_the_gpu_override_reserves_real_gpus_and_drops_the_cpu_stand_ins() -> None:
+    services = _rendered("gpu")["services"]
+    for name, service in services.items():
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 2, "capabilities": ["gpu"]}], name
+        env = service["environment"]
+        assert env["TESTBED_PROFILE"] == "gpu" and env["TESTBED_CPU_PLATFORM"] == "off", name
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0", name
+        assert service["image"].endswith(":gpu"), name
+        assert "cpuset" not in service, f"{name}: GPU nodes are not pinned to one core"
+        assert not service.get("privileged") and service.get("ipc") in (None, "", "private", "shareable"), name
+        assert int(service["shm_size"]) >= 8 << 30, name
+    assert [p["host_ip"] for p in services["head"]["ports"]] == ["127.0.0.1"]
+    assert "ports" not in services["worker"]
+
+
+def test_the_cpu_profile_is_untouched_by_the_gpu_file() -> None:
+    services = _rendered("cpu")["services"]
+    assert all("deploy" not in s and s["image"].endswith(":cpu") for s in services.values())

