@@ -76,3 +76,20 @@ def test_apply_replaces_the_function_vllm_calls(detach_mode) -> None:
     finally:
         detach.apply(PatchMode.UPSTREAM)
     assert ray_utils.detach_zero_copy_from_model_runner_output is detach.upstream_detach()
+
+
+def test_one_execution_in_flight_only_for_compiled_graphs_with_pp_and_tp(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm_zerocopy_testbed.patches import inflight
+
+    def config(pp: int, tp: int, backend: str = "ray") -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            distributed_executor_backend=backend, pipeline_parallel_size=pp, tensor_parallel_size=tp))
+
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    assert inflight.needed(config(2, 2))
+    assert not inflight.needed(config(2, 1)) and not inflight.needed(config(1, 2))
+    assert not inflight.needed(config(2, 2, backend="mp"))
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")
+    assert not inflight.needed(config(2, 2)), "the V2 executor keeps its pipelining"

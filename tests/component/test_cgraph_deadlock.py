@@ -1,0 +1,49 @@
+"""Issue 5 in pure Ray: two executions in flight, two output channels, zero-copy outputs.
+
+The smallest reproduction of vLLM's compiled-graph logprobs hang (PP=2 x TP=2):
+``harness/cgraph_deadlock.py`` (standalone, for Ray maintainers) runs two actors
+on one Ray node and the driver on another; rank 1 lags one step. Outputs read
+zero-copy with two executions in flight (``upstream``, ``off``: vLLM's engine
+keeps PP executions in flight) deadlock the driver node's raylet; the testbed's
+fix keeps one in flight (``testbed``) and passes. Each run is a subprocess with
+its own two local Ray nodes (loopback), bounded.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.harness import cgraph_deadlock
+
+pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
+
+GET_TIMEOUT_S = 10
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_the_compiled_graph_never_deadlocks_the_driver_node(detach_mode, expect) -> None:
+    expect("cgraph_no_deadlock", detach_mode)
+    # vLLM's schedule in each mode: PP=2 executions in flight, or (testbed, patches/inflight.py) one.
+    proc = _run("--inflight", "1" if detach_mode is PatchMode.TESTBED else "2")
+    assert proc.returncode == 0 and "PASS" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
+
+
+def test_outputs_that_pickle_in_band_do_not_deadlock() -> None:
+    """The same schedule with outputs copied out at deserialization: nothing holds the buffer."""
+    proc = _run("--inband")
+    assert proc.returncode == 0 and "PASS" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
+
+
+def test_the_deadlock_is_bounded_by_the_get_timeout() -> None:
+    """Without the fix the driver gets RayChannelTimeoutError after the timeout, not a hang."""
+    proc = _run()
+    assert proc.returncode == 1 and "DEADLOCK" in proc.stdout and "RayChannelTimeoutError" in proc.stdout, \
+        (proc.stdout + proc.stderr)[-1500:]
