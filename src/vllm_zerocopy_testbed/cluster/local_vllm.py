@@ -19,8 +19,8 @@ from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.serve import serve_argv, serve_env
-from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up
-from vllm_zerocopy_testbed.config import ClusterSettings, Executor
+from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up, warms_logprobs
+from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
 HEAD_IP = "127.0.0.3"
@@ -71,7 +71,7 @@ class LocalVllmCluster(Cluster):
         # Up means warmed up, as in the compose head: the first request compiles.
         warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
                 timeout=max(1.0, start + self.up_timeout - time.monotonic()),
-                logprobs=self.settings.executor is Executor.V2)
+                logprobs=warms_logprobs(self.settings.executor.value, self.settings.values.get("TESTBED_DETACH", "testbed")))
         return time.monotonic() - start
 
     def _wait_healthy(self, deadline: float) -> None:
