@@ -24,7 +24,8 @@ COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml $(if $(filter gpu,
 EXECUTOR ?= v2 cgraph
 MODES ?=
 RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
-E2E_ENV := TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
+RUN := $(RUN)
+E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick
@@ -63,7 +64,10 @@ bench: $(E2E_DEPS) ## benchmarks: broadcast and end to end per mode (channel opt
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
 	$(PYTHON) -m vllm_zerocopy_testbed.bench --quick $(BENCH_ARGS)
 
-faults: $(E2E_DEPS) ## fault suites on each profile: bad input so far (4xx, server healthy, next answer unchanged)
+# Each fault run costs cluster recoveries: one profile unless named (make faults EXECUTOR="v2 cgraph").
+faults: EXECUTOR = v2
+faults: MODES = testbed
+faults: $(E2E_DEPS) ## bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery (docs/faults.md)
 	$(E2E_PYTEST) -m faults $(PYTEST_ARGS)
 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes

@@ -113,3 +113,27 @@ class RunReport:
         report_md = run_dir / "report.md"
         report_md.write_text("\n".join(md))
         return [results_json, report_md]
+
+
+def faults_table(rows: list[dict[str, Any]]) -> str:
+    """Return the nemesis table: bound, time to first error, last end, /health, recovery, bit-exact."""
+    lines = ["| nemesis | bound | requests (failed) | first error | last request ended | /health not 200 | "
+             "recovered | bit-exact after |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        first = f"{r['first_error_s']:.1f} s" if r["first_error_s"] >= 0 else "none"
+        health = f"{r['unhealthy_after_s']:.1f} s" if r["unhealthy_after_s"] is not None else "stayed 200"
+        verdict = "" if r["within_bound"] else " **over bound**"
+        lines.append(f"| {r['nemesis']} | {r['bound_s']:.0f} s | {r['requests']} ({r['failed']}) | {first} | "
+                     f"{r['last_end_s']:.1f} s{verdict} | {health} | {r['recovered']} in {r['recovery_s']:.0f} s | "
+                     f"{'yes' if r['bit_exact_after'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_faults(run_dir: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    """Write ``faults.json`` and ``faults.md`` into ``run_dir``; return their paths."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data, text = run_dir / "faults.json", run_dir / "faults.md"
+    data.write_text(json.dumps(rows, indent=2))
+    text.write_text("# Nemeses (make faults)\n\nTimes are seconds after the fault.\n\n" + faults_table(rows) + "\n")
+    return [data, text]

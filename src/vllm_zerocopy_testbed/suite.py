@@ -37,6 +37,8 @@ SIZES = EmbedsSizes.for_chunk(int(SETTINGS.values.get("VLLM_MQ_MAX_CHUNK_BYTES_M
 
 HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
+# One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
+FAULTS: list[dict] = []
 
 # property -> (profile -> why it is known to fail there, or None)
 KNOWN_FAILURES: dict[str, Callable[[Profile], str | None]] = {

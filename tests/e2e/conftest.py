@@ -19,8 +19,8 @@ from vllm_zerocopy_testbed.checker.bitexact import first_answers
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
-from vllm_zerocopy_testbed.report import TestResult
-from vllm_zerocopy_testbed.suite import (HISTORY, KNOWN_FAILURES, MODES_CHOSEN, PROFILES, REPORT,
+from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
+from vllm_zerocopy_testbed.suite import (FAULTS, HISTORY, KNOWN_FAILURES, MODES_CHOSEN, PROFILES, REPORT,
                                          REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, LiveCluster, Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
@@ -33,7 +33,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 # Within a profile: requests without logprobs first (on the compiled-graph executor the
 # first logprobs request kills the engine, issue 5), the cross-profile checks last.
-SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequential", "restart", "smoke", "across")
+SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequential", "restart", "smoke", "across",
+               "nemesis")
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:
@@ -129,4 +130,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     written = REPORT.write(RUN_DIR, HISTORY.records())
     terminalreporter.section("vllm-zerocopy-testbed e2e report")
     terminalreporter.write_line(REPORT.table(HISTORY.records()))
+    if FAULTS:
+        written += write_faults(RUN_DIR, FAULTS)
+        terminalreporter.write_line(faults_table(FAULTS))
     terminalreporter.write_line(f"report: {', '.join(str(p.relative_to(REPO_ROOT)) for p in written)}")

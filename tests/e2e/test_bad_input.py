@@ -18,7 +18,13 @@ pytestmark = [pytest.mark.faults, pytest.mark.suite("bad-input"), pytest.mark.ti
 
 # Without logprobs, so that the check also runs on the compiled-graph executor (issue 5).
 _VALID = plain_specs(SIZES)[:2]
-CASES = bad_input.cases(SETTINGS["TESTBED_SERVED_MODEL"], max_model_len=int(SETTINGS["TESTBED_MAX_MODEL_LEN"]))
+# Findings, not test bugs: vLLM 0.32 answers non-finite prompt_embeds with HTTP 200 (an empty
+# completion). Strict: the day vLLM rejects them, these turn red and the marks go.
+FINDINGS = {"embeds-nan": "vLLM 0.32 accepts NaN prompt_embeds with HTTP 200 (finding, worth reporting upstream)",
+            "embeds-inf": "vLLM 0.32 accepts inf prompt_embeds with HTTP 200 (finding, worth reporting upstream)"}
+CASES = [pytest.param(c, id=c.name, marks=pytest.mark.xfail(strict=True, reason=FINDINGS[c.name]))
+         if c.name in FINDINGS else pytest.param(c, id=c.name)
+         for c in bad_input.cases(SETTINGS["TESTBED_SERVED_MODEL"], max_model_len=int(SETTINGS["TESTBED_MAX_MODEL_LEN"]))]
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +35,7 @@ def before(cluster: LiveCluster) -> dict[str, Record]:
     return bitexact.first_answers(records)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES)
 def test_bad_input_gets_a_4xx_and_costs_nothing(cluster: LiveCluster, before: dict[str, Record],
                                                 case: bad_input.BadRequest) -> None:
     if cluster.dead:

@@ -67,3 +67,36 @@ def test_transport_tells_out_of_band_from_in_band() -> None:
     assert transport.check_out_of_band(out_of_band, tensor).ok
     assert not transport.check_out_of_band(in_band, tensor).ok
     assert not transport.check_out_of_band("", tensor).ok, "no tap lines is a failure, not a pass"
+
+
+def test_fault_bound_counts_in_flight_and_later_requests_from_the_fault() -> None:
+    from vllm_zerocopy_testbed.checker import faults
+
+    def rec(key: str, started: float, latency: float, status: str = "ok") -> Record:
+        return Record(key=key, suite="s", profile="p", bound_s=120.0, started=started, latency_s=latency,
+                      status=status)
+
+    fault = 1000.0
+    records = [rec("done-before", 990.0, 5.0),  # ended before the fault: not affected
+               rec("in-flight", 998.0, 30.0, "error"),  # ended 28 s after the fault
+               rec("later", 1010.0, 2.0, "error"),
+               rec("answered", 1020.0, 1.0)]
+    verdict = faults.check(records, fault, bound_s=60.0)
+    assert verdict.ok, verdict
+    assert verdict.figures["requests"] == 3 and verdict.figures["failed"] == 2
+    assert verdict.figures["first_error_s"] == 12.0 and verdict.figures["last_end_s"] == 28.0
+    late = faults.check([rec("hung", 999.0, 119.0, "timeout")], fault, bound_s=60.0)
+    assert not late.ok and "hung" in late.problems[0]
+    assert not faults.check([rec("done-before", 990.0, 5.0)], fault, 60.0).ok, "no request covered the fault"
+
+
+def test_the_faults_table_says_how_each_nemesis_ended() -> None:
+    from vllm_zerocopy_testbed.report import faults_table
+
+    row = {"nemesis": "kill-worker-node", "bound_s": 60.0, "requests": 5, "failed": 3, "first_error_s": 12.3,
+           "last_end_s": 14.0, "within_bound": True, "unhealthy_after_s": 13.1, "recovered": "make up",
+           "recovery_s": 170.2, "bit_exact_after": True}
+    line = faults_table([row, {**row, "nemesis": "pause", "within_bound": False, "unhealthy_after_s": None,
+                               "first_error_s": -1.0}]).splitlines()
+    assert line[2] == "| kill-worker-node | 60 s | 5 (3) | 12.3 s | 14.0 s | 13.1 s | make up in 170 s | yes |"
+    assert "**over bound**" in line[3] and "stayed 200" in line[3] and "| none |" in line[3]

@@ -178,7 +178,7 @@ class ComposeCluster(Cluster):
 
     # -- nemeses ----------------------------------------------------------
     def _container(self, service: str) -> str:
-        ids = self.compose("ps", "-q", service, timeout=30).stdout.split()
+        ids = self.compose("ps", "-a", "-q", service, timeout=30).stdout.split()
         if not ids:
             raise LookupError(f"no running container for service {service!r}")
         return ids[0]
@@ -195,6 +195,32 @@ class ComposeCluster(Cluster):
     def disconnect(self, service: str) -> None:
         network = f"{self.settings.project}_{NETWORK}"
         self._run(["docker", "network", "disconnect", "--force", network, self._container(service)], timeout=30)
+
+    def connect(self, service: str) -> None:
+        """Undo ``disconnect`` (the container keeps its name on our network; the head its fixed IP)."""
+        network = f"{self.settings.project}_{NETWORK}"
+        ip = ["--ip", HEAD_IP] if service == "head" else []
+        self._run(["docker", "network", "connect", *ip, "--alias", service, network, self._container(service)],
+                  timeout=30)
+
+    def restart(self, service: str) -> None:
+        self._run(["docker", "restart", "--time", "10", self._container(service)], timeout=60)
+
+    def kill_process(self, service: str, pattern: str) -> list[int]:
+        """SIGKILL the processes of ``service``'s container whose command line matches ``pattern``.
+
+        Only inside our own container, by the PIDs ``pgrep`` finds there; return them.
+        """
+        container = self._container(service)
+        pids = self._run(["docker", "exec", container, "pgrep", "-f", pattern], timeout=30, check=False).stdout.split()
+        if pids:
+            self._run(["docker", "exec", container, "kill", "-9", *pids], timeout=30)
+        return [int(p) for p in pids]
+
+    def state(self, service: str) -> str:
+        """Return the service container's state (running, paused, restarting, exited, missing)."""
+        infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == service]
+        return infos[0]["State"]["Status"] if infos else "missing"
 
 
 def main(argv: list[str] | None = None) -> None:
