@@ -6,9 +6,9 @@ request hangs until ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s); then the API
 server exits with status 0, so a restart policy never fires. Lowering that
 timeout is no cure: the first request's compile takes ~60 s on one core.
 
-This process watches Ray's node table (as a Ray driver on the head) and the API
-server. When fewer nodes than expected are alive for ``grace`` seconds, or the
-server exits, it stops the server (its connections reset: every in-flight
+This process watches Ray's node and actor tables (as a Ray driver on the head)
+and the API server. When fewer nodes than expected are alive for ``grace``
+seconds, one of vLLM's Ray worker actors died, or the server exits, it stops the server (its connections reset: every in-flight
 request ends with an error) and exits non-zero, so the head container exits
 non-zero and ``restart: on-failure`` brings it back. Ray marks a node dead after
 its health checks fail (``RAY_health_check_*``, set short on the head).
@@ -52,8 +52,16 @@ def stop(pid: int, grace_s: float = 10.0) -> None:
         pass
 
 
+def _dead_vllm_workers() -> list[str]:
+    """Return the ids of vLLM's Ray worker actors that died (a worker process lost, nodes still up)."""
+    from ray._private import state  # the GCS actor table; the state API needs the dashboard
+
+    return [actor_id[:12] for actor_id, info in state.actors().items()
+            if info.get("State") == "DEAD" and "RayWorkerWrapper" in info.get("ActorClassName", "")]
+
+
 def watch(address: str, nodes: int, server_pid: int, grace_s: float, poll_s: float,
-          node_ip: str | None = None) -> int:
+          node_ip: str | None = None, ready_file: str | None = None) -> int:
     """Return the exit status once a node is lost or the server is gone (runs until then)."""
     import ray
 
@@ -76,6 +84,13 @@ def watch(address: str, nodes: int, server_pid: int, grace_s: float, poll_s: flo
             log.error("testbed watchdog: the API server exited; the head exits non-zero to be restarted")
             return EXIT_SERVER_GONE
         alive = [n for n in ray.nodes() if n.get("Alive")]
+        # Only once the server is warmed up: start-up may legitimately end actors of its own.
+        dead_workers = _dead_vllm_workers() if ready_file is None or os.path.exists(ready_file) else []
+        if dead_workers:
+            log.error("testbed watchdog: vLLM's Ray worker actors died (%s); stopping the API server so that "
+                      "requests fail now and the head restarts", ", ".join(dead_workers))
+            stop(server_pid)
+            return EXIT_NODE_LOST
         if len(alive) < nodes:
             lost_since = lost_since or time.monotonic()
             if time.monotonic() - lost_since >= grace_s:
@@ -97,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grace", type=float, default=2.0, help="seconds a node may be missing before acting")
     parser.add_argument("--poll", type=float, default=1.0)
     parser.add_argument("--node-ip", default=None, help="this node's Ray address (loopback nodes need it)")
+    parser.add_argument("--ready-file", default=None, help="watch vLLM's worker actors once this file exists")
     args = parser.parse_args(argv)
-    sys.exit(watch(args.address, args.nodes, args.server_pid, args.grace, args.poll, args.node_ip))
+    sys.exit(watch(args.address, args.nodes, args.server_pid, args.grace, args.poll, args.node_ip,
+                   args.ready_file))
 
 
 if __name__ == "__main__":
