@@ -100,10 +100,44 @@ def run(*, quick: bool, progress: Callable[[LatencyFigure], None],
     with ReferenceServer(settings) as reference:
         figures += _measure("single-process", reference.base_url, settings, workloads, progress)
     for profile in profiles:
-        backend = cluster_from_env(up_timeout=900, overrides=profile.env())
-        if backend.serves(profile.env()):
-            figures += _measure(str(profile), backend.base_url, backend.settings, workloads, progress)
-            continue
-        with backend:
-            figures += _measure(str(profile), backend.base_url, backend.settings, workloads, progress)
+        figures += _on_cluster(profile, workloads, progress)
+    return figures
+
+
+def _on_cluster(profile: Profile, workloads: dict[str, list[CompletionSpec]],
+                progress: Callable[[LatencyFigure], None]) -> list[LatencyFigure]:
+    """Measure ``workloads`` on the profile's cluster: the running one if it serves the profile, else a fresh one."""
+    backend = cluster_from_env(up_timeout=900, overrides=profile.env())
+    if backend.serves(profile.env()):
+        return _measure(str(profile), backend.base_url, backend.settings, workloads, progress)
+    with backend:
+        return _measure(str(profile), backend.base_url, backend.settings, workloads, progress)
+
+
+def _plain_workloads(concurrency: int) -> dict[str, list[CompletionSpec]]:
+    """Requests without logprobs: what the compiled graph answers with and without the issue-5 fix."""
+    return {
+        "plain-sequential": [CompletionSpec("bench/plain", prompt_ids=tuple(token_ids(16, seed=9)),
+                                            max_tokens=TOKENS, stream=True)] * 5,
+        f"plain-concurrent-{concurrency}": [
+            CompletionSpec(f"bench/plain/{i}", prompt_ids=tuple(token_ids(8 + i % 7, seed=300 + i)),
+                           max_tokens=TOKENS) for i in range(concurrency)],
+    }
+
+
+def run_inflight(*, quick: bool, progress: Callable[[LatencyFigure], None],
+                 note: Callable[[str], None]) -> list[LatencyFigure]:
+    """What the issue-5 fix costs: the compiled-graph cluster with PP executions in flight (upstream)
+    and with one (testbed), on requests without logprobs (upstream deadlocks on logprobs)."""
+    settings = ClusterSettings.from_env()
+    workloads = _plain_workloads(2 * int(settings["TESTBED_MAX_NUM_SEQS"]))
+    figures = []
+    for mode in (PatchMode.UPSTREAM, PatchMode.TESTBED):
+        figures += _on_cluster(Profile(Executor.CGRAPH, mode, mode), workloads, progress)
+    by = {(f.server, f.workload): f for f in figures}
+    for workload in workloads:
+        up, ours = by.get(("cgraph/upstream", workload)), by.get(("cgraph/testbed", workload))
+        if up and ours and up.tokens_per_s:
+            note(f"in-flight cap (issue 5) on {workload}: {ours.tokens_per_s / up.tokens_per_s:.2f} x upstream's "
+                 f"tokens/s, total p50 {ours.total_p50 / up.total_p50:.2f} x")
     return figures
