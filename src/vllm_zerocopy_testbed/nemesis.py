@@ -43,7 +43,7 @@ def _reconnect(cluster: ComposeCluster) -> None:
 
 
 def _kill_head_ray_worker(cluster: ComposeCluster) -> None:
-    killed = cluster.kill_process("head", "RayWorkerWrapper")
+    killed = cluster.kill_process("head", "ray::RayWorker")  # RayWorkerProc (V2) or RayWorkerWrapper (cgraph)
     if not killed:
         raise RuntimeError("no Ray worker actor process found in the head container")
 

@@ -56,8 +56,9 @@ def _dead_vllm_workers() -> list[str]:
     """Return the ids of vLLM's Ray worker actors that died (a worker process lost, nodes still up)."""
     from ray._private import state  # the GCS actor table; the state API needs the dashboard
 
+    # RayWorkerProc (the V2 executor) or RayWorkerWrapper (the compiled-graph one)
     return [actor_id[:12] for actor_id, info in state.actors().items()
-            if info.get("State") == "DEAD" and "RayWorkerWrapper" in info.get("ActorClassName", "")]
+            if info.get("State") == "DEAD" and info.get("ActorClassName", "").startswith("RayWorker")]
 
 
 def watch(address: str, nodes: int, server_pid: int, grace_s: float, poll_s: float,
