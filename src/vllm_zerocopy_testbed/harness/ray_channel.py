@@ -37,7 +37,7 @@ class OutputShape:
 def make_output(step: int, shape: OutputShape) -> Any:
     """Return a ``ModelRunnerOutput`` of ``shape`` with deterministic contents."""
     import torch
-    from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput, SamplingMaskLists
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
     rng = np.random.default_rng(step)
     rows, cols = shape.num_reqs, shape.num_logprobs + 1
@@ -54,18 +54,30 @@ def make_output(step: int, shape: OutputShape) -> Any:
             logprobs=torch.from_numpy(rng.standard_normal((shape.prompt_len, cols)).astype(np.float32)),
             selected_token_ranks=torch.from_numpy(rng.integers(0, cols, size=shape.prompt_len)),
         )
-    masks = None
-    if shape.sampling_mask:
+    extra: dict[str, Any] = {}
+    if shape.sampling_mask:  # vLLM >= 0.28 only (has_sampling_masks())
+        from vllm.v1.outputs import SamplingMaskLists
+
         kept = rng.integers(0, 512, size=rows * 8, dtype=np.int32)
-        masks = SamplingMaskLists(token_ids=kept, offsets=np.arange(0, rows * 8 + 1, 8, dtype=np.int64))
+        extra["sampling_masks"] = SamplingMaskLists(token_ids=kept,
+                                                    offsets=np.arange(0, rows * 8 + 1, 8, dtype=np.int64))
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[step] for _ in req_ids],
         logprobs=logprobs,
         prompt_logprobs_dict=prompt,
-        sampling_masks=masks,
+        **extra,
     )
+
+
+def has_sampling_masks() -> bool:
+    """Whether the installed vLLM's ``ModelRunnerOutput`` carries ``sampling_masks``."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return any(f.name == "sampling_masks" for f in dataclasses.fields(ModelRunnerOutput))
 
 
 @dataclass
