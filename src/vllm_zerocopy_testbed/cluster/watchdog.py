@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def stop(pid: int, grace_s: float = 10.0) -> None:
+def stop(pid: int, grace_s: float = 3.0) -> None:
     """SIGTERM the server's process group, SIGKILL it after ``grace_s`` (bounded)."""
     try:
         os.killpg(pid, signal.SIGTERM)
