@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
+from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness import cgraph_deadlock
 
@@ -25,8 +27,15 @@ GET_TIMEOUT_S = 10
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args],
-                          capture_output=True, text=True, timeout=180)
+    shm = ShmSnapshot.take()
+    try:
+        return subprocess.run([sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args],
+                              capture_output=True, text=True, timeout=180)
+    finally:
+        # The script ends with os._exit (a deadlocked graph does not tear down); its Ray
+        # processes share its fate but leave their channel semaphores in /dev/shm.
+        time.sleep(2)
+        shm.remove_new()
 
 
 def test_the_compiled_graph_never_deadlocks_the_driver_node(detach_mode, expect) -> None:
