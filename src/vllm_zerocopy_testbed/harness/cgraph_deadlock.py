@@ -82,27 +82,24 @@ def run(*, inband: bool, inflight: int = 2, steps: int = 6, slow_s: float = 1.0,
     with InputNode() as inp:
         dag = MultiOutputNode([r.step.bind(inp) for r in ranks])
     compiled = dag.experimental_compile()
-    try:
-        pending = [compiled.execute(i) for i in range(inflight - 1)]
-        for index in range(steps):
-            pending.append(compiled.execute(index + inflight - 1))  # `inflight` executions in flight
-            refs = pending.pop(0)
-            try:
-                first = refs[0].get(timeout=timeout_s)  # keeps rank 0's buffer acquired ...
-                second = refs[1].get(timeout=timeout_s)  # ... while rank 1's output is read
-            except Exception as exc:  # RayChannelTimeoutError
-                return False, f"execution {index}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-            if first[0] != index or second[0] != index:
-                return False, f"execution {index}: wrong values {first[0]}, {second[0]}"
-            del first, second
-        for refs in pending:
-            for ref in refs:
-                ref.get(timeout=timeout_s)
-        return True, f"{steps + inflight - 1} executions answered"
-    finally:
-        # A graph stuck in the raylet does not tear down: the caller ends the process
-        # (os._exit); the Cluster's Ray processes share its fate.
-        pass
+    # A graph stuck in the raylet does not tear down: the caller ends the process (os._exit);
+    # the Cluster's Ray processes share its fate.
+    pending = [compiled.execute(i) for i in range(inflight - 1)]
+    for index in range(steps):
+        pending.append(compiled.execute(index + inflight - 1))  # `inflight` executions in flight
+        refs = pending.pop(0)
+        try:
+            first = refs[0].get(timeout=timeout_s)  # keeps rank 0's buffer acquired ...
+            second = refs[1].get(timeout=timeout_s)  # ... while rank 1's output is read
+        except Exception as exc:  # RayChannelTimeoutError
+            return False, f"execution {index}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        if first[0] != index or second[0] != index:
+            return False, f"execution {index}: wrong values {first[0]}, {second[0]}"
+        del first, second
+    for refs in pending:
+        for ref in refs:
+            ref.get(timeout=timeout_s)
+    return True, f"{steps + inflight - 1} executions answered"
 
 
 def main(argv: list[str] | None = None) -> None:
