@@ -1,0 +1,62 @@
+"""How the testbed hands out-of-band frames to ZMQ, over a real inproc socket pair.
+
+Over ``inproc`` ZMQ passes a zero-copy message to the peer by reference, so a
+buffer changed after the send shows in what the peer receives: the send race of
+upstream PR 53217, made deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from vllm_zerocopy_testbed.patches.broadcast import COPY_BELOW_BYTES, OOB_MIN_BYTES, _send, _wait_sent
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def pair():
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    receiver.bind("inproc://testbed-send")
+    sender.connect("inproc://testbed-send")
+    yield sender, receiver
+    sender.close(linger=0)
+    receiver.close(linger=0)
+    context.term()
+
+
+def _send_then_reuse(sender, receiver, nbytes: int, hold: bool) -> tuple[list, bytes]:
+    buffer = bytearray(b"\x01" * nbytes)
+    trackers = _send(sender, [b"stream", memoryview(buffer)], hold=hold)
+    buffer[:] = b"\x02" * nbytes  # the caller reuses its tensor once enqueue returned
+    frames = receiver.recv_multipart()
+    return trackers, frames[1]
+
+
+def test_a_racy_send_lets_the_peer_see_later_writes(pair) -> None:
+    """Upstream's send (``copy=False``, not held): the peer gets the bytes written after it."""
+    _, received = _send_then_reuse(*pair, OOB_MIN_BYTES, hold=False)
+    assert received == b"\x02" * OOB_MIN_BYTES
+
+
+def test_small_out_of_band_frames_are_copied_not_tracked(pair) -> None:
+    """Below COPY_BELOW_BYTES the testbed gives ZMQ a copy: nothing to wait for, nothing leaks."""
+    trackers, received = _send_then_reuse(*pair, OOB_MIN_BYTES, hold=True)
+    assert trackers == []
+    assert received == b"\x01" * OOB_MIN_BYTES
+
+
+def test_large_out_of_band_frames_are_tracked_zero_copy(pair) -> None:
+    """From COPY_BELOW_BYTES on the frame is the caller's buffer (no copy) and must be waited on."""
+    sender, receiver = pair
+    buffer = bytearray(b"\x01" * COPY_BELOW_BYTES)
+    trackers = _send(sender, [b"stream", memoryview(buffer)], hold=True)
+    assert len(trackers) == 1
+    with pytest.raises(TimeoutError):  # inproc: released only once the peer dropped the message
+        _wait_sent(trackers, timeout=0.2)
+    frames = receiver.recv_multipart(copy=False)
+    assert frames[1].bytes == bytes(buffer)
+    del frames
+    _wait_sent(trackers, timeout=10)
