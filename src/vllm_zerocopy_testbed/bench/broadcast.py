@@ -66,6 +66,12 @@ def measure(topology: str, sizes: tuple[int, ...], mode: PatchMode, *, budget_s:
     """Measure every size for one topology and mode with one set of reader processes."""
     figures = []
     with MessageQueueHarness(TOPOLOGIES[topology], mode, timeout=120, ack_only=True) as harness:
+        # Fresh reader processes are slow for their first messages (imports, first touch): without
+        # this, the first size of each mode measured up to 2.7x apart on the same code path.
+        small, until = torch.randn(16 * KiB), time.monotonic() + 1.0
+        while time.monotonic() < until:
+            harness.send({"prompt_embeds": small})
+            harness.collect()
         for nbytes in sizes:
             tensor = torch.randn(nbytes // 4)
             held: list[float] = []

@@ -119,6 +119,7 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     plots = _plots(out, broadcast, channel, e2e)
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
+          f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
           "⚠ marks a spread above 5%. Ratios are within this run.", ""]
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
