@@ -61,8 +61,7 @@ def _driver(address: str, variant: str, reqs: list[int], budget_s: float) -> Non
 
     @ray.remote(num_cpus=0)
     class Producer:
-        """A fresh output per step, as a model runner makes one (one returned object reused
-        step after step stalled the channel's first read here)."""
+        """A fresh output per step, as a model runner makes one."""
 
         def __init__(self, as_lists: bool) -> None:
             self.as_lists = as_lists
