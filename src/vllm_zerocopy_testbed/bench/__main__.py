@@ -13,15 +13,19 @@ from vllm_zerocopy_testbed.config import REPO_ROOT
 PARTS = ("broadcast", "channel", "e2e", "inflight")
 # Opt-in: inflight (two more compiled-graph cluster starts, ~8 min, would break the 15 min budget).
 DEFAULT_PARTS = ("broadcast", "channel", "e2e")
+# --quick leaves out the channel (three Ray clusters, ~2 min here: 203 s in all with it, over 3 min).
+QUICK_PARTS = ("broadcast", "e2e")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats, no cluster start (< 3 min)")
-    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--parts", default=None, help=f"comma-separated subset of {PARTS} (default: "
+                        f"{','.join(DEFAULT_PARTS)}; with --quick {','.join(QUICK_PARTS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
+    chosen = args.parts if args.parts is not None else ",".join(QUICK_PARTS if args.quick else DEFAULT_PARTS)
+    parts = [p for p in chosen.split(",") if p]
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")
