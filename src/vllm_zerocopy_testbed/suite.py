@@ -46,7 +46,8 @@ KNOWN_FAILURES: dict[str, Callable[[Profile], str | None]] = {
     if p.broadcast is PatchMode.OFF else None,
     "cgraph_logprobs": lambda p: "issue 5: on the compiled-graph executor the first logprobs request deadlocks "
     "the driver node's raylet (zero-copy outputs, two executions in flight, one output channel per TP rank) "
-    "until RAY_CGRAPH_get_timeout, and the engine dies; fixed by the testbed's in-band outputs (detach=testbed)"
+    "until RAY_CGRAPH_get_timeout, and the engine dies; fixed by the testbed's one execution in flight "
+    "(patches/inflight.py, detach=testbed)"
     if p.executor is Executor.CGRAPH and p.detach is not PatchMode.TESTBED else None,
 }
 
