@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{','.join(DEFAULT_PARTS)}; with --quick {','.join(QUICK_PARTS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    chosen = args.parts if args.parts is not None else ",".join(QUICK_PARTS if args.quick else DEFAULT_PARTS)
-    parts = [p for p in chosen.split(",") if p]
+    parts = ([p for p in args.parts.split(",") if p] if args.parts is not None
+             else list(QUICK_PARTS if args.quick else DEFAULT_PARTS))
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; use {', '.join(PARTS)}")

@@ -19,9 +19,10 @@ allocation (a fresh ``bytes()`` of 16 MiB costs more than the transfer, see
 bytes to the kernel, which the reader would wait for anyway. Only the ZMQ paths
 (overflow to local readers, remote readers) wait: the shared-memory ring copies
 the bytes inside ``enqueue`` already. Out-of-band frames below
-``COPY_BELOW_BYTES`` are the exception: ZMQ gets a copy of them, which costs
-less than the tracker's round trip (``make bench``, remote reader, 1 MiB:
-0.87 ms per message tracked vs 0.49 ms for upstream's racy send).
+``COPY_BELOW_BYTES`` are the exception: ZMQ gets a copy of them (0.04 ms per
+MiB), which holds the writer less than the tracker's round trip (``make bench``,
+remote reader, 1 MiB: enqueue held 0.56 ms tracked, 0.23 ms copied; per
+message still ~1.7x upstream's racy 0.48 ms, see docs/design.md).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 # limit): below it one copy into the stream is cheaper than an extra frame.
 OOB_MIN_BYTES = 1 << 20
 
-# Out-of-band frames below this size go to ZMQ as a copy (one memcpy, ~0.02 ms per MiB
+# Out-of-band frames below this size go to ZMQ as a copy (one memcpy, ~0.04 ms per MiB
 # here) instead of tracked: a tracker is released only after ZMQ's I/O thread and then
 # pyzmq's garbage-collector thread ran (~0.4 ms on 2 busy cores). At 4 MiB and above the
 # tracked zero-copy send costs no time per message (make bench) and a copy would.
