@@ -8,7 +8,7 @@ import pytest
 
 from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
 from vllm_zerocopy_testbed.bench.report import broadcast_table
-from vllm_zerocopy_testbed.bench.stats import Sample, spread, until_stable
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratios, spread, until_stable
 
 pytestmark = pytest.mark.unit
 
@@ -26,9 +26,23 @@ def test_until_stable_stops_early_when_stable_and_at_the_cap_when_not() -> None:
     assert capped.n == 12 and capped.unstable
 
 
-def test_broadcast_table_gives_ratios_to_memcpy_and_upstream() -> None:
+def test_interleaved_rotates_the_order_and_pairs_rounds() -> None:
+    calls: list[str] = []
+    clock = itertools.count(1)
+
+    def timer(name: str):
+        return lambda: (calls.append(name), float(next(clock)))[1]
+
+    values = interleaved({"a": timer("a"), "b": timer("b"), "c": timer("c")}, min_n=3, max_n=3, budget_s=60)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert values == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+    assert paired_ratios(values["b"], values["a"]) == [2.0, 4.0 / 6.0, 9.0 / 8.0]
+
+
+def test_broadcast_table_gives_ratios_to_memcpy_and_paired_ratio_to_upstream() -> None:
     memcpy = Sample(2.0, 0.01, 9)
-    figures = [BroadcastFigure("remote-1", 16 << 20, mode, Sample(ms, 0.02, 7), 0.1, memcpy)
-               for mode, ms in (("upstream", 6.0), ("testbed", 6.6))]
+    figures = [BroadcastFigure("remote-1", 16 << 20, "upstream", Sample(6.0, 0.02, 7), 0.1, memcpy, 1.0, 0.0),
+               BroadcastFigure("remote-1", 16 << 20, "testbed", Sample(6.6, 0.02, 7), 0.1, memcpy, 1.08, 0.12)]
     table = broadcast_table(figures)
-    assert "| remote-1 | 16 MiB | testbed | 6.60 | 2% | 0.10 | 2.000 | 3.3 | 1.10 |" in table
+    assert "| remote-1 | 16 MiB | upstream | 6.00 | 2% | 0.10 | 2.000 | 3.0 | 1.00 |" in table
+    assert "| remote-1 | 16 MiB | testbed | 6.60 | 2% | 0.10 | 2.000 | 3.3 | 1.08 (12% ⚠) |" in table

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from vllm_zerocopy_testbed.patches.broadcast import COPY_BELOW_BYTES, OOB_MIN_BYTES, _send, _wait_sent
+from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES, _send, _wait_sent
 
 pytestmark = pytest.mark.unit
 
@@ -41,17 +41,10 @@ def test_a_racy_send_lets_the_peer_see_later_writes(pair) -> None:
     assert received == b"\x02" * OOB_MIN_BYTES
 
 
-def test_small_out_of_band_frames_are_copied_not_tracked(pair) -> None:
-    """Below COPY_BELOW_BYTES the testbed gives ZMQ a copy: nothing to wait for, nothing leaks."""
-    trackers, received = _send_then_reuse(*pair, OOB_MIN_BYTES, hold=True)
-    assert trackers == []
-    assert received == b"\x01" * OOB_MIN_BYTES
-
-
-def test_large_out_of_band_frames_are_tracked_zero_copy(pair) -> None:
-    """From COPY_BELOW_BYTES on the frame is the caller's buffer (no copy) and must be waited on."""
+def test_out_of_band_frames_are_tracked_zero_copy_and_waited_on(pair) -> None:
+    """The testbed's send: the frame is the caller's buffer (no copy), released only once ZMQ let it go."""
     sender, receiver = pair
-    buffer = bytearray(b"\x01" * COPY_BELOW_BYTES)
+    buffer = bytearray(b"\x01" * OOB_MIN_BYTES)
     trackers = _send(sender, [b"stream", memoryview(buffer)], hold=True)
     assert len(trackers) == 1
     with pytest.raises(TimeoutError):  # inproc: released only once the peer dropped the message
@@ -60,3 +53,11 @@ def test_large_out_of_band_frames_are_tracked_zero_copy(pair) -> None:
     assert frames[1].bytes == bytes(buffer)
     del frames
     _wait_sent(trackers, timeout=10)
+    buffer[:] = b"\x02" * OOB_MIN_BYTES  # now safe: nobody reads the old bytes any more
+
+
+def test_a_held_send_keeps_the_stream_in_one_untracked_frame(pair) -> None:
+    """Messages without out-of-band buffers have nothing to wait for."""
+    sender, receiver = pair
+    assert _send(sender, [b"stream only"], hold=True) == []
+    assert receiver.recv_multipart() == [b"stream only"]

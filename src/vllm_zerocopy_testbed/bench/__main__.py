@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict[str, list] = {"broadcast": [], "channel": [], "e2e": []}
     if "broadcast" in parts:
-        say("broadcast: MessageQueue, modes off/upstream/testbed")
+        say("broadcast: MessageQueue, modes off/upstream/testbed taking turns per message")
         results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
             f"  {f.topology:8} {f.nbytes >> 10:>7} KiB {f.mode:8} {f.message.median_ms:9.2f} ms/msg "
             f"(spread {f.message.spread:.0%}, n={f.message.n}, enqueue {f.enqueue_ms:.2f} ms, "
-            f"{f.ratio_to_memcpy:.1f} x memcpy)"))
+            f"{f.ratio_to_memcpy:.1f} x memcpy"
+            + (f", {f.vs_upstream:.2f} x upstream" if f.vs_upstream is not None and f.mode != "upstream" else "")
+            + ")"))
     if "channel" in parts:
         say("channel: compiled graph over two Ray nodes, none/detach/lists")
         results["channel"] = channel.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(

@@ -4,9 +4,12 @@ One writer (this process) and reader processes, through the real
 ``MessageQueue``: 1 to 3 local readers over the shared-memory ring (or its
 overflow socket when a message exceeds the 24 MiB chunk), or one remote reader
 over TCP on 127.0.0.2. Per message: from ``enqueue`` until every reader has
-rebuilt it, and how long ``enqueue`` itself held the writer. Each figure is
-repeated until stable and shown with the memcpy time of the same bytes,
-measured in the same run.
+rebuilt it, and how long ``enqueue`` itself held the writer. The modes take
+turns message by message on the same writer and readers (the mode is switched
+in the writer between messages; readers run vLLM's ``dequeue`` whatever it is),
+so each mode's cost relative to ``upstream`` is a ratio of messages sent in the
+same round. Each figure is repeated until stable and shown with the memcpy time
+of the same bytes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Callable
 
 import torch
 
-from vllm_zerocopy_testbed.bench.stats import Sample, until_stable
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratios, sample, until_stable
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import MessageQueueHarness, QueueTopology
+from vllm_zerocopy_testbed.patches import broadcast
 
 KiB, MiB = 1 << 10, 1 << 20
 TOPOLOGIES = {
@@ -43,6 +47,9 @@ class BroadcastFigure:
     message: Sample
     enqueue_ms: float
     memcpy: Sample
+    # Round-by-round ratio to upstream (messages of the same round): median and spread.
+    vs_upstream: float | None = None
+    vs_upstream_spread: float | None = None
 
     @property
     def ratio_to_memcpy(self) -> float:
@@ -61,47 +68,60 @@ def memcpy(nbytes: int, budget_s: float) -> Sample:
     return until_stable(once, min_n=7, max_n=200, budget_s=budget_s)
 
 
-def measure(topology: str, sizes: tuple[int, ...], mode: PatchMode, *, budget_s: float,
+def measure(topology: str, sizes: tuple[int, ...], modes: tuple[PatchMode, ...], *, budget_s: float,
             baselines: dict[int, Sample], progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
-    """Measure every size for one topology and mode with one set of reader processes."""
+    """Measure every size and mode for one topology with one set of reader processes, the modes
+    taking turns message by message."""
     figures = []
-    with MessageQueueHarness(TOPOLOGIES[topology], mode, timeout=120, ack_only=True) as harness:
-        # Fresh reader processes are slow for their first messages (imports, first touch): without
-        # this, the first size of each mode measured up to 2.7x apart on the same code path.
-        small, until = torch.randn(16 * KiB), time.monotonic() + 1.0
-        while time.monotonic() < until:
-            harness.send({"prompt_embeds": small})
-            harness.collect()
-        for nbytes in sizes:
-            tensor = torch.randn(nbytes // 4)
-            held: list[float] = []
-
-            def once() -> float:
-                start = time.perf_counter()
-                harness.send({"prompt_embeds": tensor})
-                held.append((time.perf_counter() - start) * 1e3)
+    with MessageQueueHarness(TOPOLOGIES[topology], PatchMode.UPSTREAM, timeout=120, ack_only=True) as harness:
+        try:
+            # Fresh reader processes are slow for their first messages (imports, first touch).
+            small, until = torch.randn(16 * KiB), time.monotonic() + 1.0
+            while time.monotonic() < until:
+                harness.send({"prompt_embeds": small})
                 harness.collect()
-                return (time.perf_counter() - start) * 1e3
+            for nbytes in sizes:
+                tensor = torch.randn(nbytes // 4)
+                held: dict[str, list[float]] = {mode.value: [] for mode in modes}
 
-            for _ in range(2):  # warm-up: first-touch of ring and buffers
-                once()
-            held.clear()
-            sample = until_stable(once, min_n=5, max_n=15, budget_s=budget_s)
-            figure = BroadcastFigure(topology, nbytes, mode.value, sample, sorted(held)[len(held) // 2],
-                                     baselines[nbytes])
-            figures.append(figure)
-            progress(figure)
+                def timer(mode: PatchMode) -> Callable[[], float]:
+                    def once() -> float:
+                        broadcast.apply(mode)
+                        start = time.perf_counter()
+                        harness.send({"prompt_embeds": tensor})
+                        held[mode.value].append((time.perf_counter() - start) * 1e3)
+                        harness.collect()
+                        return (time.perf_counter() - start) * 1e3
+                    return once
+
+                timers = {mode.value: timer(mode) for mode in modes}
+                for once in list(timers.values()) * 2:  # warm-up: first touch of ring and buffers
+                    once()
+                for values in held.values():
+                    values.clear()
+                times = interleaved(timers, min_n=7, max_n=400, budget_s=budget_s * len(modes))
+                base = times.get(PatchMode.UPSTREAM.value)
+                for mode in modes:
+                    ratios = paired_ratios(times[mode.value], base) if base else None
+                    paired = sample(ratios) if ratios else None
+                    figure = BroadcastFigure(
+                        topology, nbytes, mode.value, sample(times[mode.value]),
+                        sample(held[mode.value]).median_ms, baselines[nbytes],
+                        paired.median_ms if paired else None, paired.spread if paired else None)
+                    figures.append(figure)
+                    progress(figure)
+        finally:
+            broadcast.apply(PatchMode.UPSTREAM)
     return figures
 
 
 def run(*, quick: bool, progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
-    """Run the grid: every topology (quick: local-1 and remote-1), size and mode."""
+    """Run the grid: every topology (quick: local-1 and remote-1) and size, the modes interleaved."""
     sizes = QUICK_SIZES if quick else FULL_SIZES
     topologies = ("local-1", "remote-1") if quick else tuple(TOPOLOGIES)
     budget = 1.5 if quick else 3.0
     baselines = {n: memcpy(n, budget) for n in sizes}
     figures = []
     for topology in topologies:
-        for mode in MODES:
-            figures += measure(topology, sizes, mode, budget_s=budget, baselines=baselines, progress=progress)
+        figures += measure(topology, sizes, MODES, budget_s=budget, baselines=baselines, progress=progress)
     return figures

@@ -21,12 +21,12 @@ def _flag(spread: float) -> str:
 
 
 def broadcast_table(figures: list[BroadcastFigure]) -> str:
-    upstream = {(f.topology, f.nbytes): f.message.median_ms for f in figures if f.mode == "upstream"}
     lines = ["| readers | size | mode | per message (ms) | spread | enqueue held (ms) | memcpy (ms) | x memcpy "
-             "| / upstream |", "|---|---|---|---|---|---|---|---|---|"]
+             "| / upstream (same rounds) |", "|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
-        base = upstream.get((f.topology, f.nbytes))
-        ratio = f"{f.message.median_ms / base:.2f}" if base else "-"
+        ratio = "-" if f.vs_upstream is None else f"{f.vs_upstream:.2f}"
+        if f.vs_upstream is not None and f.mode != "upstream":
+            ratio += f" ({_flag(f.vs_upstream_spread or 0.0)})"
         lines.append(f"| {f.topology} | {_size(f.nbytes)} | {f.mode} | {f.message.median_ms:.2f} | "
                      f"{_flag(f.message.spread)} | {f.enqueue_ms:.2f} | {f.memcpy.median_ms:.3f} | "
                      f"{f.ratio_to_memcpy:.1f} | {ratio} |")
@@ -121,7 +121,9 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
           f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
-          "⚠ marks a spread above 5%. Ratios are within this run.", ""]
+          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast modes take turns message by "
+          "message on the same writer and readers; `/ upstream` is the median (and spread) of each round's "
+          "ratio to upstream's message of that round.", ""]
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
                                ("Compiled-graph channel: detach vs none vs lists",
                                 channel_table(channel) if channel else "", "channel"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 STABLE_SPREAD = 0.05
 
@@ -41,3 +41,32 @@ def until_stable(measure: Callable[[], float], *, min_n: int, max_n: int, budget
         if len(values) >= min_n and (spread(values) <= STABLE_SPREAD or time.monotonic() - start > budget_s):
             break
     return Sample(statistics.median(values), spread(values), len(values))
+
+
+def sample(values: list[float]) -> Sample:
+    return Sample(statistics.median(values), spread(values), len(values))
+
+
+def interleaved(measures: dict[str, Callable[[], float]], *, min_n: int, max_n: int,
+                budget_s: float) -> dict[str, list[float]]:
+    """Run ``measures`` in rounds (each once per round, the order rotated every round) until
+    each has ``min_n`` values and every spread is <= 5%, ``max_n`` rounds, or ``budget_s``.
+
+    Interleaving puts every variant under the same drift (other processes, caches, clock),
+    so the ratio of round ``i``'s values compares like with like."""
+    names = list(measures)
+    values: dict[str, list[float]] = {name: [] for name in names}
+    start = time.monotonic()
+    for i in range(max_n):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            values[name].append(measures[name]())
+        if i + 1 >= min_n and (all(spread(v) <= STABLE_SPREAD for v in values.values())
+                               or time.monotonic() - start > budget_s):
+            break
+    return values
+
+
+def paired_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:
+    """Return round-by-round ratios ``values[i] / base[i]`` (values measured in the same round)."""
+    return [v / b for v, b in zip(values, base)]

@@ -16,13 +16,12 @@ Our ``testbed`` policy keeps the zero copy and closes the race by waiting on
 ZMQ's per-frame trackers before ``enqueue`` returns: no extra copy and no fresh
 allocation (a fresh ``bytes()`` of 16 MiB costs more than the transfer, see
 ../shared/FINDINGS.md); the writer is held for the time ZMQ needs to hand the
-bytes to the kernel, which the reader would wait for anyway. Only the ZMQ paths
+bytes to the kernel, which the reader waits for anyway. Only the ZMQ paths
 (overflow to local readers, remote readers) wait: the shared-memory ring copies
-the bytes inside ``enqueue`` already. Out-of-band frames below
-``COPY_BELOW_BYTES`` are the exception: ZMQ gets a copy of them (0.04 ms per
-MiB), which holds the writer less than the tracker's round trip (``make bench``,
-remote reader, 1 MiB: enqueue held 0.56 ms tracked, 0.23 ms copied; per
-message still ~1.7x upstream's racy 0.48 ms, see docs/design.md).
+the bytes inside ``enqueue`` already. Measured against upstream's racy send with
+the modes interleaved message by message (``make bench``, remote reader): 1.07x
+at 1 MiB, 1.00x from 2 MiB on; handing ZMQ a copy instead cost 1.19x at 1 MiB
+and 1.21x at 2 MiB (docs/design.md, "Wait, do not copy").
 """
 
 from __future__ import annotations
@@ -45,12 +44,6 @@ logger = logging.getLogger(__name__)
 # Buffers at least this large leave the pickle stream (upstream uses the same
 # limit): below it one copy into the stream is cheaper than an extra frame.
 OOB_MIN_BYTES = 1 << 20
-
-# Out-of-band frames below this size go to ZMQ as a copy (one memcpy, ~0.04 ms per MiB
-# here) instead of tracked: a tracker is released only after ZMQ's I/O thread and then
-# pyzmq's garbage-collector thread ran (~0.4 ms on 2 busy cores). At 4 MiB and above the
-# tracked zero-copy send costs no time per message (make bench) and a copy would.
-COPY_BELOW_BYTES = 4 << 20
 
 # Ring chunk layout shared with upstream ``dequeue``: byte 0 is the overflow
 # flag, bytes 1-2 the buffer count, then per buffer a 4-byte big-endian length
@@ -161,22 +154,14 @@ def _write_ring(chunk: memoryview, frames: list[Any]) -> None:
 
 
 def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[zmq.MessageTracker]:
-    """Send ``frames``; if ``hold``, return the trackers the caller must wait on before its
-    buffers may change (large out-of-band frames, sent without a copy), small ones copied."""
+    """Send ``frames``; if ``hold``, return the trackers of the out-of-band frames (sent without
+    a copy), which the caller must wait on before the buffers behind them may change."""
     if not hold or len(frames) == 1:
         socket.send_multipart(frames, copy=False)
         return []
-    parts: list[Any] = [frames[0]]
-    trackers: list[zmq.MessageTracker] = []
-    for buffer in frames[1:]:
-        if memoryview(buffer).nbytes < COPY_BELOW_BYTES:
-            parts.append(zmq.Frame(buffer, copy=True))
-        else:
-            frame = zmq.Frame(buffer, track=True, copy=False)
-            parts.append(frame)
-            trackers.append(frame.tracker)
+    parts = [frames[0], *(zmq.Frame(buffer, track=True, copy=False) for buffer in frames[1:])]
     socket.send_multipart(parts, copy=False)
-    return trackers
+    return [part.tracker for part in parts[1:]]
 
 
 def _wait_sent(trackers: list[zmq.MessageTracker], timeout: float | None) -> None:
