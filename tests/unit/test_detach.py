@@ -66,6 +66,17 @@ def test_nested_containers_and_none_are_handled() -> None:
     detach.detach_output(None)
 
 
+def test_the_fast_paths_for_atom_containers_still_find_arrays() -> None:
+    """Lists and dicts of plain values are skipped in one pass; one array among them is still found."""
+    frozen = _freeze(np.arange(4, dtype=np.int32))
+    rows = [[1], [2], [3, frozen]]  # a list of lists, as sampled_token_ids, one row holding an array
+    ids = {"req-0": 0, "req-1": frozen}
+    flat = ["req-0", 7, None, frozen]
+    detach._detached({"rows": rows, "ids": ids, "flat": flat}, set())
+    assert rows[2][1].flags.writeable and ids["req-1"].flags.writeable and flat[3].flags.writeable
+    assert rows[:2] == [[1], [2]] and ids["req-0"] == 0 and flat[:3] == ["req-0", 7, None]
+
+
 def test_apply_replaces_the_function_vllm_calls(detach_mode) -> None:
     from vllm.v1.executor import ray_executor, ray_utils
 

@@ -11,12 +11,16 @@ the whole ``ModelRunnerOutput`` — dataclasses, named tuples, tuples, lists and
 dicts — and copies every read-only numpy array it reaches, so a field vLLM adds
 is covered without a change here. Writable arrays are left alone (they are not
 channel memory); container types are kept. CPU torch tensors need nothing: Ray
-rebuilds them with ``torch.tensor``, which copies.
+rebuilds them with ``torch.tensor``, which copies. The walk's price is one
+C-level type check per object in the output: 0.4 ms for 2048 requests here
+(upstream's field-by-field copy: 0.007 ms; ``make bench``'s channel part shows
+the whole step: detach 1.07x not detaching).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -27,6 +31,20 @@ from vllm_zerocopy_testbed.config import PatchMode
 logger = logging.getLogger(__name__)
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_ATOM_TYPES = frozenset(_ATOMS)
+
+
+def _only_atoms(items: Any) -> bool:
+    """Whether every item is exactly an atom type: one C-level pass, no per-item recursion.
+
+    Outputs carry long lists of request ids, token ids and index dicts (2048
+    requests: ~8k objects); walking them item by item cost 2.7 ms per step.
+    """
+    return set(map(type, items)) <= _ATOM_TYPES
+
+
+def _only_lists(items: list[Any]) -> bool:
+    return set(map(type, items)) == {list}
 
 
 def _detached(value: Any, seen: set[int]) -> Any:
@@ -39,12 +57,16 @@ def _detached(value: Any, seen: set[int]) -> Any:
         return value
     seen.add(id(value))
     if isinstance(value, list):
+        if _only_atoms(value) or (_only_lists(value) and _only_atoms(itertools.chain.from_iterable(value))):
+            return value
         for i, item in enumerate(value):
             new = _detached(item, seen)
             if new is not item:
                 value[i] = new
         return value
     if isinstance(value, dict):
+        if _only_atoms(value.values()):
+            return value
         for key, item in value.items():
             new = _detached(item, seen)
             if new is not item:
