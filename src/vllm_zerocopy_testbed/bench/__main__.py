@@ -13,8 +13,7 @@ from vllm_zerocopy_testbed.config import REPO_ROOT
 PARTS = ("broadcast", "channel", "e2e", "inflight")
 # Opt-in: inflight (two more compiled-graph cluster starts, ~8 min, would break the 15 min budget).
 DEFAULT_PARTS = ("broadcast", "channel", "e2e")
-# --quick leaves out the channel (three Ray clusters, ~2 min here: 203 s in all with it, over 3 min).
-QUICK_PARTS = ("broadcast", "e2e")
+QUICK_PARTS = DEFAULT_PARTS  # fewer sizes and repeats, and e2e only against a cluster already up
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     if "channel" in parts:
         say("channel: compiled graph over two Ray nodes, none/detach/lists")
         results["channel"] = channel.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(
-            f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%})"))
+            f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%}"
+            + (f", {f.vs_none:.2f} x none" if f.vs_none is not None and f.variant != "none" else "") + ")"))
     if "e2e" in parts:
         say("e2e: single-process reference, then the cluster per mode")
         results["e2e"] = e2e.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(

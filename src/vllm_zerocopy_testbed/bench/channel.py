@@ -11,6 +11,10 @@ an output it may keep:
 - ``detach``: the testbed's detach (copy every read-only array);
 - ``lists``: the actor converts the arrays to Python lists before returning
   (upstream PR 41218's approach): nothing to detach, larger pickles.
+
+One graph serves all three: the step's input says whether the actor converts
+to lists, the driver decides whether to detach. The variants take turns step by
+step, so ``/ none`` is the median of each round's ratio to that round's ``none``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vllm_zerocopy_testbed.bench.stats import Sample, until_stable
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratios, sample
 
 VARIANTS = ("none", "detach", "lists")
 FULL_REQS = (8, 64, 512, 2048)
@@ -38,10 +42,13 @@ class ChannelFigure:
     variant: str
     num_reqs: int
     step: Sample
+    # Round-by-round ratio to ``none`` (steps of the same round): median and spread.
+    vs_none: float | None = None
+    vs_none_spread: float | None = None
 
 
-def _driver(address: str, variant: str, reqs: list[int], budget_s: float) -> None:
-    """Child process: one compiled graph for ``variant``, every size through it; print JSON, ``os._exit``.
+def _driver(address: str, reqs: list[int], budget_s: float) -> None:
+    """Child process: one compiled graph, every size and variant through it; print JSON, ``os._exit``.
 
     One graph per process and no teardown: tearing down a compiled graph with a
     cross-node channel crashed the remote raylet here (``experimental_mutable_object_provider.cc``).
@@ -61,41 +68,47 @@ def _driver(address: str, variant: str, reqs: list[int], budget_s: float) -> Non
 
     @ray.remote(num_cpus=0)
     class Producer:
-        """A fresh output per step, as a model runner makes one."""
+        """A fresh output per step, as a model runner makes one; as lists when asked."""
 
-        def __init__(self, as_lists: bool) -> None:
-            self.as_lists = as_lists
+        def __init__(self) -> None:
             self.steps = 0
 
-        def step(self, num_reqs: int) -> Any:
+        def step(self, request: tuple[int, bool]) -> Any:
+            num_reqs, as_lists = request
             self.steps += 1
             output = make_output(self.steps, OutputShape(num_reqs=num_reqs, num_logprobs=20))
-            if self.as_lists:
+            if as_lists:
                 lp = output.logprobs
                 output.logprobs = type(lp)(*(x.tolist() if isinstance(x, np.ndarray) else x for x in lp))
             return output
 
-    actor = Producer.options(resources={_REMOTE: 0.01}).remote(variant == "lists")
+    actor = Producer.options(resources={_REMOTE: 0.01}).remote()
     with InputNode() as inp:
         dag = actor.step.bind(inp)
     compiled = dag.experimental_compile()
-    compiled.execute(reqs[0]).get(timeout=180)  # the actor's first step imports torch and vLLM: not timed
+    compiled.execute((reqs[0], False)).get(timeout=180)  # the actor's first step imports torch and vLLM
     results = []
     for num_reqs in reqs:
-        def once() -> float:
-            start = time.perf_counter()
-            output = compiled.execute(num_reqs).get(timeout=60)
-            if variant == "detach":
-                detach_output(output)
-            elapsed = (time.perf_counter() - start) * 1e3
-            del output  # drop zero-copy views before the next read
-            return elapsed
+        def timer(variant: str) -> Callable[[], float]:
+            def once() -> float:
+                start = time.perf_counter()
+                output = compiled.execute((num_reqs, variant == "lists")).get(timeout=60)
+                if variant == "detach":
+                    detach_output(output)
+                elapsed = (time.perf_counter() - start) * 1e3
+                del output  # drop zero-copy views before the next read
+                return elapsed
+            return once
 
-        for _ in range(3):
+        timers = {variant: timer(variant) for variant in VARIANTS}
+        for once in list(timers.values()) * 3:
             once()
-        sample = until_stable(once, min_n=10, max_n=300, budget_s=budget_s)
-        results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": sample.median_ms,
-                        "spread": sample.spread, "n": sample.n})
+        times = interleaved(timers, min_n=10, max_n=300, budget_s=budget_s * len(VARIANTS))
+        for variant in VARIANTS:
+            step, ratio = sample(times[variant]), sample(paired_ratios(times[variant], times["none"]))
+            results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": step.median_ms,
+                            "spread": step.spread, "n": step.n, "vs_none": ratio.median_ms,
+                            "vs_none_spread": ratio.spread})
     print(json.dumps(results))
     sys.stdout.flush()
     os._exit(0)
@@ -103,25 +116,25 @@ def _driver(address: str, variant: str, reqs: list[int], budget_s: float) -> Non
 
 def run(*, quick: bool, progress: Callable[[ChannelFigure], None],
         note: Callable[[str], None] = print) -> list[ChannelFigure]:
-    """Per variant: two fresh local Ray nodes and a driver child process; return the figures."""
+    """Two fresh local Ray nodes and a driver child process; return the figures."""
     from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 
     reqs = QUICK_REQS if quick else FULL_REQS
     nodes = [RayNodeSpec(_DRIVER_IP), RayNodeSpec(_ACTOR_IP, resources={_REMOTE: 1})]
+    with LocalRayCluster(nodes) as cluster:
+        code = ("from vllm_zerocopy_testbed.bench.channel import _driver; "
+                f"_driver({cluster.address!r}, {list(reqs)!r}, {1.0 if quick else 2.0})")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "RAY_ADDRESS": cluster.address})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    if not lines:
+        note(f"channel bench: the driver failed ({proc.returncode}): "
+             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
+        return []
     figures = []
-    for variant in VARIANTS:
-        with LocalRayCluster(nodes) as cluster:
-            code = ("from vllm_zerocopy_testbed.bench.channel import _driver; "
-                    f"_driver({cluster.address!r}, {variant!r}, {list(reqs)!r}, {1.0 if quick else 2.0})")
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "RAY_ADDRESS": cluster.address})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-        if not lines:
-            note(f"channel bench, variant {variant}: the driver failed ({proc.returncode}): "
-                 f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
-            continue
-        for r in json.loads(lines[-1]):
-            figure = ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]))
-            figures.append(figure)
-            progress(figure)
+    for r in json.loads(lines[-1]):
+        figure = ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]),
+                               r["vs_none"], r["vs_none_spread"])
+        figures.append(figure)
+        progress(figure)
     return figures

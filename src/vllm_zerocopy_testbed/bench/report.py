@@ -34,10 +34,11 @@ def broadcast_table(figures: list[BroadcastFigure]) -> str:
 
 
 def channel_table(figures: list[ChannelFigure]) -> str:
-    none = {f.num_reqs: f.step.median_ms for f in figures if f.variant == "none"}
-    lines = ["| requests x k=20 | variant | per step (ms) | spread | / none |", "|---|---|---|---|---|"]
+    lines = ["| requests x k=20 | variant | per step (ms) | spread | / none (same rounds) |", "|---|---|---|---|---|"]
     for f in figures:
-        ratio = f"{f.step.median_ms / none[f.num_reqs]:.2f}" if none.get(f.num_reqs) else "-"
+        ratio = "-" if f.vs_none is None else f"{f.vs_none:.2f}"
+        if f.vs_none is not None and f.variant != "none":
+            ratio += f" ({_flag(f.vs_none_spread or 0.0)})"
         lines.append(f"| {f.num_reqs} | {f.variant} | {f.step.median_ms:.3f} | {_flag(f.step.spread)} | {ratio} |")
     return "\n".join(lines)
 
@@ -121,9 +122,9 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
           f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
-          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast modes take turns message by "
-          "message on the same writer and readers; `/ upstream` is the median (and spread) of each round's "
-          "ratio to upstream's message of that round.", ""]
+          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast modes (on the same writer and "
+          "readers) and channel variants (on the same graph) take turns message by message; `/ upstream` and "
+          "`/ none` are the median (and spread) of each round's ratio to that round's baseline.", ""]
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
                                ("Compiled-graph channel: detach vs none vs lists",
                                 channel_table(channel) if channel else "", "channel"),
