@@ -55,7 +55,8 @@ def _figure(server: str, workload: str, records: list[Record], wall_s: float) ->
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s or r.latency_s for r in ok]
     total = [r.latency_s for r in ok]
-    tokens = [len(r.choices[0].get("tokens", [])) for r in ok]
+    tokens = [r.completion_tokens if r.completion_tokens is not None else len(r.choices[0].get("tokens", []))
+              for r in ok]
     per_token = [(r.latency_s - (r.ttft_s or 0)) / max(1, n - 1) for r, n in zip(ok, tokens)]
     return LatencyFigure(server, workload, len(ok), percentile(ttft, 50), percentile(ttft, 95), percentile(ttft, 99),
                          percentile(per_token, 50), percentile(total, 50), percentile(total, 95),

@@ -63,6 +63,8 @@ class CompletionSpec:
         }
         if self.logprobs is not None:
             args["logprobs"] = self.logprobs
+        if self.stream:  # a last chunk with the token count: tokens/s without logprobs
+            args["stream_options"] = {"include_usage": True}
         return args
 
 
@@ -80,6 +82,7 @@ class Record:
     status: str = "ok"  # ok | error | timeout
     http_status: int | None = None
     error: str | None = None
+    completion_tokens: int | None = None  # from the answer's usage
     # Per choice: {"tokens": [ids], "token_logprobs": [...], "top_logprobs": [{id: lp}], "prompt_logprobs": ...}
     choices: list[dict[str, Any]] = field(default_factory=list)
 
@@ -143,11 +146,15 @@ def send(client: openai.OpenAI, model: str, spec: CompletionSpec, *, suite: str,
                 if record.ttft_s is None and any(c.text for c in chunk.choices):
                     record.ttft_s = time.monotonic() - start
                 chunks.append(chunk)
+                if getattr(chunk, "usage", None) is not None:
+                    record.completion_tokens = chunk.usage.completion_tokens
                 if time.monotonic() - start > timeout:
                     raise openai.APITimeoutError(request=None)  # type: ignore[arg-type]
             record.choices = _merge_stream(chunks)
         else:
             record.choices = [_choice(c) for c in sorted(response.choices, key=lambda c: c.index)]
+            if response.usage is not None:
+                record.completion_tokens = response.usage.completion_tokens
     except openai.APITimeoutError:
         record.status, record.error = "timeout", f"no answer within {timeout:.0f} s"
     except openai.APIStatusError as exc:
