@@ -84,7 +84,8 @@ def _measure(server: str, base_url: str, settings: ClusterSettings, workloads: d
 
 def run(*, quick: bool, progress: Callable[[LatencyFigure], None],
         note: Callable[[str], None]) -> list[LatencyFigure]:
-    """Reference, then a V2 cluster per mode (quick: only a cluster already up, if any)."""
+    """Reference, then a V2 cluster per mode (quick: only a cluster already up, if any, and no reference:
+    starting the single-process server takes a minute, which breaks the quick run's 3 minutes)."""
     settings = ClusterSettings.from_env()
     sizes = EmbedsSizes.for_chunk(int(settings.values.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")))
     concurrency = 2 * int(settings["TESTBED_MAX_NUM_SEQS"])
@@ -97,9 +98,11 @@ def run(*, quick: bool, progress: Callable[[LatencyFigure], None],
             note("e2e latency skipped (--quick starts no cluster; `make up` first to include it)")
             return []
         profiles = running[:1]
+        note("e2e: the cluster only, no single-process reference (--quick starts no server; full run has it)")
     figures = []
-    with ReferenceServer(settings) as reference:
-        figures += _measure("single-process", reference.base_url, settings, workloads, progress)
+    if not quick:
+        with ReferenceServer(settings) as reference:
+            figures += _measure("single-process", reference.base_url, settings, workloads, progress)
     for profile in profiles:
         figures += _on_cluster(profile, workloads, progress)
     return figures
