@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict[str, list] = {"broadcast": [], "channel": [], "e2e": []}
     if "broadcast" in parts:
-        say("broadcast: MessageQueue, modes off/upstream/testbed taking turns per message")
+        say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
         results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
             f"  {f.topology:8} {f.nbytes >> 10:>7} KiB {f.mode:8} {f.message.median_ms:9.2f} ms/msg "
             f"(spread {f.message.spread:.0%}, n={f.message.n}, enqueue {f.enqueue_ms:.2f} ms, "

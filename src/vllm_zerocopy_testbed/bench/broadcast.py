@@ -4,11 +4,11 @@ One writer (this process) and reader processes, through the real
 ``MessageQueue``: 1 to 3 local readers over the shared-memory ring (or its
 overflow socket when a message exceeds the 24 MiB chunk), or one remote reader
 over TCP on 127.0.0.2. Per message: from ``enqueue`` until every reader has
-rebuilt it, and how long ``enqueue`` itself held the writer. The modes take
-turns message by message on the same writer and readers (the mode is switched
-in the writer between messages; readers run vLLM's ``dequeue`` whatever it is),
-so each mode's cost relative to ``upstream`` is a ratio of messages sent in the
-same round. Each figure is repeated until stable and shown with the memcpy time
+rebuilt it, and how long ``enqueue`` itself held the writer. ``upstream`` and
+``testbed`` take turns message by message on the same writer and readers (the
+mode is switched in the writer between messages; readers run vLLM's
+``dequeue`` whatever it is), so the race fix's cost is a ratio of messages sent
+in the same round; ``off`` follows in its own block on the same processes. Each figure is repeated until stable and shown with the memcpy time
 of the same bytes, measured in the same run.
 """
 
@@ -99,15 +99,28 @@ def measure(topology: str, sizes: tuple[int, ...], modes: tuple[PatchMode, ...],
                     once()
                 for values in held.values():
                     values.clear()
-                times = interleaved(timers, min_n=7, max_n=400, budget_s=budget_s * len(modes))
+                # The zero-copy modes take turns; `off` runs in its own block after them: its in-band
+                # messages (2-8x heavier) slowed the next one or two messages of any mode, which biased
+                # the pairs when it took turns with them.
+                paired_modes = [m.value for m in modes if m is not PatchMode.OFF]
+                times = interleaved({m: timers[m] for m in paired_modes}, min_n=7, max_n=400,
+                                    budget_s=budget_s * len(paired_modes))
+                if PatchMode.OFF in modes:
+                    times[PatchMode.OFF.value] = interleaved({"off": timers[PatchMode.OFF.value]}, min_n=7,
+                                                             max_n=400, budget_s=budget_s)["off"]
                 base = times.get(PatchMode.UPSTREAM.value)
                 for mode in modes:
-                    ratios = paired_ratios(times[mode.value], base) if base else None
-                    paired = sample(ratios) if ratios else None
-                    figure = BroadcastFigure(
-                        topology, nbytes, mode.value, sample(times[mode.value]),
-                        sample(held[mode.value]).median_ms, baselines[nbytes],
-                        paired.median_ms if paired else None, paired.spread if paired else None)
+                    message = sample(times[mode.value])
+                    if base is None:
+                        ratio, ratio_spread = None, None
+                    elif mode.value in paired_modes:
+                        paired = sample(paired_ratios(times[mode.value], base))
+                        ratio, ratio_spread = paired.median_ms, paired.spread
+                    else:  # not the same rounds: a ratio of medians, no spread of its own
+                        ratio, ratio_spread = message.median_ms / sample(base).median_ms, None
+                    figure = BroadcastFigure(topology, nbytes, mode.value, message,
+                                             sample(held[mode.value]).median_ms, baselines[nbytes],
+                                             ratio, ratio_spread)
                     figures.append(figure)
                     progress(figure)
         finally:

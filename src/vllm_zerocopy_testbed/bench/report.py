@@ -25,8 +25,8 @@ def broadcast_table(figures: list[BroadcastFigure]) -> str:
              "| / upstream (same rounds) |", "|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
         ratio = "-" if f.vs_upstream is None else f"{f.vs_upstream:.2f}"
-        if f.vs_upstream is not None and f.mode != "upstream":
-            ratio += f" ({_flag(f.vs_upstream_spread or 0.0)})"
+        if f.vs_upstream_spread is not None and f.mode != "upstream":
+            ratio += f" ({_flag(f.vs_upstream_spread)})"
         lines.append(f"| {f.topology} | {_size(f.nbytes)} | {f.mode} | {f.message.median_ms:.2f} | "
                      f"{_flag(f.message.spread)} | {f.enqueue_ms:.2f} | {f.memcpy.median_ms:.3f} | "
                      f"{f.ratio_to_memcpy:.1f} | {ratio} |")
@@ -122,9 +122,11 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
           f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
-          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast modes (on the same writer and "
-          "readers) and channel variants (on the same graph) take turns message by message; `/ upstream` and "
-          "`/ none` are the median (and spread) of each round's ratio to that round's baseline.", ""]
+          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast `upstream` and `testbed` (on the "
+          "same writer and readers) and the channel variants (on the same graph) take turns message by message; "
+          "their `/ upstream` and `/ none` are the median (and spread) of each round's ratio to that round's "
+          "baseline. Broadcast `off` runs in its own block after them (its heavy messages slow the next ones); "
+          "its `/ upstream` is a ratio of medians.", ""]
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
                                ("Compiled-graph channel: detach vs none vs lists",
                                 channel_table(channel) if channel else "", "channel"),
