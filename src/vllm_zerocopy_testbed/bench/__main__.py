@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
             f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%}"
             + (f", {f.vs_none:.2f} x none" if f.vs_none is not None and f.variant != "none" else "") + ")"))
     if "e2e" in parts:
-        say("e2e: single-process reference, then the cluster per mode")
+        say("e2e: single-process reference (not with --quick), then the cluster per mode")
         results["e2e"] = e2e.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(
             f"  {f.server:16} {f.workload:14} total p50 {f.total_p50:.3f} s p95 {f.total_p95:.3f} s "
             f"TTFT p50 {f.ttft_p50:.3f} s {f.tokens_per_s:.1f} tok/s"))

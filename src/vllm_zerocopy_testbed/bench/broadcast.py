@@ -8,8 +8,11 @@ rebuilt it, and how long ``enqueue`` itself held the writer. ``upstream`` and
 ``testbed`` take turns message by message on the same writer and readers (the
 mode is switched in the writer between messages; readers run vLLM's
 ``dequeue`` whatever it is), so the race fix's cost is a ratio of messages sent
-in the same round; ``off`` follows in its own block on the same processes. Each figure is repeated until stable and shown with the memcpy time
-of the same bytes, measured in the same run.
+in the same round; ``off`` follows in its own block on the same processes: its
+in-band messages (2-8x heavier) slowed the next one or two messages of any
+mode, which biased the pairs when it took turns with them. Each figure is
+repeated until stable and shown with the memcpy time of the same bytes,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratios, sample, until_stable
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample, until_stable
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import MessageQueueHarness, QueueTopology
 from vllm_zerocopy_testbed.patches import broadcast
@@ -34,7 +37,8 @@ TOPOLOGIES = {
 }
 FULL_SIZES = (64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (1 * MiB, 16 * MiB)
-MODES = (PatchMode.OFF, PatchMode.UPSTREAM, PatchMode.TESTBED)
+PAIRED = (PatchMode.UPSTREAM, PatchMode.TESTBED)  # take turns; OFF runs in a block of its own
+MODES = (PatchMode.OFF, *PAIRED)
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,9 @@ def memcpy(nbytes: int, budget_s: float) -> Sample:
     return until_stable(once, min_n=7, max_n=200, budget_s=budget_s)
 
 
-def measure(topology: str, sizes: tuple[int, ...], modes: tuple[PatchMode, ...], *, budget_s: float,
-            baselines: dict[int, Sample], progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
-    """Measure every size and mode for one topology with one set of reader processes, the modes
-    taking turns message by message."""
+def measure(topology: str, sizes: tuple[int, ...], *, budget_s: float, baselines: dict[int, Sample],
+            progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
+    """Measure every size and mode for one topology with one set of reader processes."""
     figures = []
     with MessageQueueHarness(TOPOLOGIES[topology], PatchMode.UPSTREAM, timeout=120, ack_only=True) as harness:
         try:
@@ -82,45 +85,36 @@ def measure(topology: str, sizes: tuple[int, ...], modes: tuple[PatchMode, ...],
                 harness.collect()
             for nbytes in sizes:
                 tensor = torch.randn(nbytes // 4)
-                held: dict[str, list[float]] = {mode.value: [] for mode in modes}
+                held: dict[PatchMode, list[float]] = {mode: [] for mode in MODES}
 
                 def timer(mode: PatchMode) -> Callable[[], float]:
                     def once() -> float:
                         broadcast.apply(mode)
                         start = time.perf_counter()
                         harness.send({"prompt_embeds": tensor})
-                        held[mode.value].append((time.perf_counter() - start) * 1e3)
+                        held[mode].append((time.perf_counter() - start) * 1e3)
                         harness.collect()
                         return (time.perf_counter() - start) * 1e3
                     return once
 
-                timers = {mode.value: timer(mode) for mode in modes}
+                timers = {mode: timer(mode) for mode in MODES}
                 for once in list(timers.values()) * 2:  # warm-up: first touch of ring and buffers
                     once()
                 for values in held.values():
                     values.clear()
-                # The zero-copy modes take turns; `off` runs in its own block after them: its in-band
-                # messages (2-8x heavier) slowed the next one or two messages of any mode, which biased
-                # the pairs when it took turns with them.
-                paired_modes = [m.value for m in modes if m is not PatchMode.OFF]
-                times = interleaved({m: timers[m] for m in paired_modes}, min_n=7, max_n=400,
-                                    budget_s=budget_s * len(paired_modes))
-                if PatchMode.OFF in modes:
-                    times[PatchMode.OFF.value] = interleaved({"off": timers[PatchMode.OFF.value]}, min_n=7,
-                                                             max_n=400, budget_s=budget_s)["off"]
-                base = times.get(PatchMode.UPSTREAM.value)
-                for mode in modes:
-                    message = sample(times[mode.value])
-                    if base is None:
-                        ratio, ratio_spread = None, None
-                    elif mode.value in paired_modes:
-                        paired = sample(paired_ratios(times[mode.value], base))
-                        ratio, ratio_spread = paired.median_ms, paired.spread
+                times = interleaved({m: timers[m] for m in PAIRED}, min_n=7, max_n=400,
+                                    budget_s=budget_s * len(PAIRED))
+                times.update(interleaved({PatchMode.OFF: timers[PatchMode.OFF]}, min_n=7, max_n=400,
+                                         budget_s=budget_s))
+                base = times[PatchMode.UPSTREAM]
+                for mode in MODES:
+                    message = sample(times[mode])
+                    if mode in PAIRED:
+                        ratio, ratio_spread = paired_ratio(times[mode], base)
                     else:  # not the same rounds: a ratio of medians, no spread of its own
                         ratio, ratio_spread = message.median_ms / sample(base).median_ms, None
-                    figure = BroadcastFigure(topology, nbytes, mode.value, message,
-                                             sample(held[mode.value]).median_ms, baselines[nbytes],
-                                             ratio, ratio_spread)
+                    figure = BroadcastFigure(topology, nbytes, mode.value, message, sample(held[mode]).median_ms,
+                                             baselines[nbytes], ratio, ratio_spread)
                     figures.append(figure)
                     progress(figure)
         finally:
@@ -136,5 +130,5 @@ def run(*, quick: bool, progress: Callable[[BroadcastFigure], None]) -> list[Bro
     baselines = {n: memcpy(n, budget) for n in sizes}
     figures = []
     for topology in topologies:
-        figures += measure(topology, sizes, MODES, budget_s=budget, baselines=baselines, progress=progress)
+        figures += measure(topology, sizes, budget_s=budget, baselines=baselines, progress=progress)
     return figures

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 STABLE_SPREAD = 0.05
 
@@ -34,28 +34,22 @@ def spread(values: list[float]) -> float:
 def until_stable(measure: Callable[[], float], *, min_n: int, max_n: int, budget_s: float) -> Sample:
     """Call ``measure`` (returns ms) at least ``min_n`` times, then until the spread is <= 5%,
     ``max_n`` calls, or ``budget_s`` seconds, whichever comes first."""
-    values: list[float] = []
-    start = time.monotonic()
-    while len(values) < max_n:
-        values.append(measure())
-        if len(values) >= min_n and (spread(values) <= STABLE_SPREAD or time.monotonic() - start > budget_s):
-            break
-    return Sample(statistics.median(values), spread(values), len(values))
+    return sample(interleaved({"": measure}, min_n=min_n, max_n=max_n, budget_s=budget_s)[""])
 
 
 def sample(values: list[float]) -> Sample:
     return Sample(statistics.median(values), spread(values), len(values))
 
 
-def interleaved(measures: dict[str, Callable[[], float]], *, min_n: int, max_n: int,
-                budget_s: float) -> dict[str, list[float]]:
+def interleaved(measures: dict[Any, Callable[[], float]], *, min_n: int, max_n: int,
+                budget_s: float) -> dict[Any, list[float]]:
     """Run ``measures`` in rounds (each once per round, the order rotated every round) until
     each has ``min_n`` values and every spread is <= 5%, ``max_n`` rounds, or ``budget_s``.
 
     Interleaving puts every variant under the same drift (other processes, caches, clock),
     so the ratio of round ``i``'s values compares like with like."""
     names = list(measures)
-    values: dict[str, list[float]] = {name: [] for name in names}
+    values: dict[Any, list[float]] = {name: [] for name in names}
     start = time.monotonic()
     for i in range(max_n):
         shift = i % len(names)
@@ -70,3 +64,9 @@ def interleaved(measures: dict[str, Callable[[], float]], *, min_n: int, max_n: 
 def paired_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:
     """Return round-by-round ratios ``values[i] / base[i]`` (values measured in the same round)."""
     return [v / b for v, b in zip(values, base)]
+
+
+def paired_ratio(values: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
+    """Return the median and the spread of the round-by-round ratios of ``values`` to ``base``."""
+    ratios = paired_ratios(values, base)
+    return statistics.median(ratios), spread(ratios)
