@@ -29,10 +29,10 @@ def pair():
 
 def _send_then_reuse(sender, receiver, nbytes: int, hold: bool) -> tuple[list, bytes]:
     buffer = bytearray(b"\x01" * nbytes)
-    trackers = _send(sender, [b"stream", memoryview(buffer)], hold=hold)
+    releases = _send(sender, [b"stream", memoryview(buffer)], hold=hold)
     buffer[:] = b"\x02" * nbytes  # the caller reuses its tensor once enqueue returned
     frames = receiver.recv_multipart()
-    return trackers, frames[1]
+    return releases, frames[1]
 
 
 def test_a_racy_send_lets_the_peer_see_later_writes(pair) -> None:
@@ -41,18 +41,22 @@ def test_a_racy_send_lets_the_peer_see_later_writes(pair) -> None:
     assert received == b"\x02" * OOB_MIN_BYTES
 
 
-def test_out_of_band_frames_are_tracked_zero_copy_and_waited_on(pair) -> None:
+def test_out_of_band_frames_are_zero_copy_and_waited_on(pair) -> None:
     """The testbed's send: the frame is the caller's buffer (no copy), released only once ZMQ let it go."""
     sender, receiver = pair
     buffer = bytearray(b"\x01" * OOB_MIN_BYTES)
-    trackers = _send(sender, [b"stream", memoryview(buffer)], hold=True)
-    assert len(trackers) == 1
+    releases = _send(sender, [b"stream", memoryview(buffer)], hold=True)
+    assert len(releases) == 1
     with pytest.raises(TimeoutError):  # inproc: released only once the peer dropped the message
-        _wait_sent(trackers, timeout=0.2)
+        _wait_sent(releases, timeout=0.2)
     frames = receiver.recv_multipart(copy=False)
     assert frames[1].bytes == bytes(buffer)
+    buffer[0] = 3  # zero copy: over inproc the peer's frame is the caller's memory
+    assert frames[1].buffer[0] == 3
+    with pytest.raises(TimeoutError):  # the peer still holds the message
+        _wait_sent(releases, timeout=0.2)
     del frames
-    _wait_sent(trackers, timeout=10)
+    _wait_sent(releases, timeout=10)
     buffer[:] = b"\x02" * OOB_MIN_BYTES  # now safe: nobody reads the old bytes any more
 
 

@@ -12,16 +12,18 @@ Two properties are under test:
   ``copy=False`` is sent later by ZMQ's I/O thread, so a caller that reuses its
   tensor after ``enqueue`` returned corrupts what remote readers receive.
 
-Our ``testbed`` policy keeps the zero copy and closes the race by waiting on
-ZMQ's per-frame trackers before ``enqueue`` returns: no extra copy and no fresh
-allocation (a fresh ``bytes()`` of 16 MiB costs more than the transfer, see
-../shared/FINDINGS.md); the writer is held for the time ZMQ needs to hand the
-bytes to the kernel, which the reader waits for anyway. Only the ZMQ paths
-(overflow to local readers, remote readers) wait: the shared-memory ring copies
-the bytes inside ``enqueue`` already. Measured against upstream's racy send with
-the modes interleaved message by message (``make bench``, remote reader): 1.07x
-at 1 MiB, 1.00x from 2 MiB on; handing ZMQ a copy instead cost 1.19x at 1 MiB
-and 1.21x at 2 MiB (docs/design.md, "Wait, do not copy").
+Our ``testbed`` policy keeps the zero copy and closes the race by waiting, before
+``enqueue`` returns, until ZMQ released every out-of-band buffer: no extra copy
+and no fresh allocation (a fresh ``bytes()`` of 16 MiB costs more than the
+transfer, see ../shared/FINDINGS.md); the writer is held for the time ZMQ needs
+to hand the bytes to the kernel, which the reader waits for anyway. Only the ZMQ
+paths (overflow to local readers, remote readers) wait: the shared-memory ring
+copies the bytes inside ``enqueue`` already. The release is seen through a weak
+reference (``_send``), not pyzmq's ``MessageTracker``: with the modes
+interleaved message by message and the remote reader on its own core
+(``make bench``), testbed / upstream is 0.98 at 1 MiB with the weak reference,
+1.05 with trackers; handing ZMQ a copy instead cost 1.19x (docs/design.md,
+"Wait, do not copy").
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import copyreg
 import io
 import logging
 import pickle
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -153,26 +157,47 @@ def _write_ring(chunk: memoryview, frames: list[Any]) -> None:
         offset += size
 
 
-def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[zmq.MessageTracker]:
-    """Send ``frames``; if ``hold``, return the trackers of the out-of-band frames (sent without
-    a copy), which the caller must wait on before the buffers behind them may change."""
+# One zero-copy buffer handed to ZMQ: a lock released when ZMQ let go of it, and the weak
+# reference whose callback releases it (kept alive until the lock is taken).
+Release = tuple[threading.Lock, "weakref.ref[memoryview]"]
+
+
+def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[Release]:
+    """Send ``frames``; if ``hold``, return one release per out-of-band frame (sent without a
+    copy), which the caller must wait on before the buffers behind them may change.
+
+    pyzmq keeps a zero-copy buffer alive by holding a reference to it until libzmq frees the
+    message (its garbage-collector thread drops the reference then). Each buffer is sent as a
+    fresh ``memoryview`` that only pyzmq references once this function returns, so a weak
+    reference to it dies exactly when ZMQ no longer reads the bytes, and its callback
+    releases a plain lock. That is what pyzmq's ``MessageTracker`` says too, for about half
+    the cost: no ``threading.Event`` and tracker per frame, no ``Condition`` in the release.
+    """
     if not hold or len(frames) == 1:
         socket.send_multipart(frames, copy=False)
         return []
-    parts = [frames[0], *(zmq.Frame(buffer, track=True, copy=False) for buffer in frames[1:])]
+    releases: list[Release] = []
+    parts: list[Any] = [frames[0]]
+    for buffer in frames[1:]:
+        view = memoryview(buffer)
+        lock = threading.Lock()
+        lock.acquire()
+        releases.append((lock, weakref.ref(view, lambda _, lock=lock: lock.release())))
+        parts.append(view)
+        del view
     socket.send_multipart(parts, copy=False)
-    return [part.tracker for part in parts[1:]]
+    return releases
 
 
-def _wait_sent(trackers: list[zmq.MessageTracker], timeout: float | None) -> None:
-    """Block until ZMQ no longer reads any tracked buffer; bounded by ``timeout``."""
-    if not trackers:
+def _wait_sent(releases: list[Release], timeout: float | None) -> None:
+    """Block until ZMQ no longer reads any of the buffers; bounded by ``timeout``."""
+    if not releases:
         return
     from vllm import envs
 
     warn_every = float(envs.VLLM_RINGBUFFER_WARNING_INTERVAL)
     start = time.monotonic()
-    for tracker in trackers:
+    for lock, _ in releases:
         while True:
             elapsed = time.monotonic() - start
             step = warn_every if timeout is None else min(warn_every, timeout - elapsed)
@@ -181,15 +206,13 @@ def _wait_sent(trackers: list[zmq.MessageTracker], timeout: float | None) -> Non
                     f"MessageQueue.enqueue: ZMQ still sending after {timeout} s; "
                     "a reader is not consuming (dead or stuck node?)"
                 )
-            try:
-                tracker.wait(step)
+            if lock.acquire(timeout=step):
                 break
-            except zmq.NotDone:
-                logger.warning(
-                    "MessageQueue.enqueue: out-of-band buffers not sent after %.0f s; "
-                    "is every reader alive?",
-                    time.monotonic() - start,
-                )
+            logger.warning(
+                "MessageQueue.enqueue: out-of-band buffers not sent after %.0f s; "
+                "is every reader alive?",
+                time.monotonic() - start,
+            )
 
 
 def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Callable[..., None]:
@@ -201,12 +224,12 @@ def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Calla
             # The opt-in shm tensor arena is its own transport; leave it to vLLM.
             return installed(self, obj, timeout)
         frames = serialize(obj, policy.zero_copy_tensors)
-        trackers: list[zmq.MessageTracker] = []
+        releases: list[Release] = []
         if self.n_local_reader > 0:
             if _ring_bytes(frames) > self.buffer.max_chunk_bytes:
                 with self.acquire_write(timeout) as chunk:
                     chunk[0] = 1  # overflow: readers take the frames from the socket
-                trackers += _send(self.local_socket, frames, policy.hold_until_sent)
+                releases += _send(self.local_socket, frames, policy.hold_until_sent)
             else:
                 with self.acquire_write(timeout) as chunk:
                     _write_ring(chunk, frames)
@@ -214,8 +237,8 @@ def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Calla
             if spin is not None:
                 spin.notify()
         if self.n_remote_reader > 0:
-            trackers += _send(self.remote_socket, frames, policy.hold_until_sent)
-        _wait_sent(trackers, timeout)
+            releases += _send(self.remote_socket, frames, policy.hold_until_sent)
+        _wait_sent(releases, timeout)
 
     enqueue.testbed_mode = policy.mode  # type: ignore[attr-defined]
     return enqueue
