@@ -3,8 +3,14 @@
 One writer (this process) and reader processes, through the real
 ``MessageQueue``: 1 to 3 local readers over the shared-memory ring (or its
 overflow socket when a message exceeds the 24 MiB chunk), or one remote reader
-over TCP on 127.0.0.2. Per message: from ``enqueue`` until every reader has
-rebuilt it, and how long ``enqueue`` itself held the writer. ``upstream`` and
+over TCP on 127.0.0.2. Per message: from ``enqueue`` until the last reader had
+it rebuilt (the readers' own ``perf_counter``, the same monotonic clock on one
+host; the acknowledgement's way back is not counted), and how long ``enqueue``
+itself held the writer. The remote reader stands for another host, so it gets
+CPUs of its own: the writer's threads run on the first half of this process's
+CPUs and the reader on the other half (with 2 CPUs: one each, as the cluster
+pins one core per node); unpinned, the writer's wake-ups compete with the
+reader's on the same cores, which no two hosts do. ``upstream`` and
 ``testbed`` take turns message by message on the same writer and readers (the
 mode is switched in the writer between messages; readers run vLLM's
 ``dequeue`` whatever it is), so the race fix's cost is a ratio of messages sent
@@ -17,15 +23,17 @@ measured in the same run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample, until_stable
 from vllm_zerocopy_testbed.config import PatchMode
-from vllm_zerocopy_testbed.harness.message_queue import MessageQueueHarness, QueueTopology
+from vllm_zerocopy_testbed.harness.message_queue import RECEIVED_AT, MessageQueueHarness, QueueTopology
 from vllm_zerocopy_testbed.patches import broadcast
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -60,6 +68,35 @@ class BroadcastFigure:
         return self.message.median_ms / self.memcpy.median_ms
 
 
+def host_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
+    """Split this process's CPUs into the writer's host and the remote reader's (None if < 2)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return frozenset(cpus[:half]), frozenset(cpus[half:])
+
+
+@contextlib.contextmanager
+def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run every thread of this process on ``cpus`` (None: as is); restore each thread's CPUs after."""
+    if cpus is None:
+        yield
+        return
+    before = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # a thread may end meanwhile
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        process_cpus = before.get(os.getpid(), frozenset(range(os.cpu_count() or 1)))
+        for tid in map(int, os.listdir("/proc/self/task")):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before.get(tid, process_cpus))
+
+
 def memcpy(nbytes: int, budget_s: float) -> Sample:
     """Time copying ``nbytes`` between two pre-touched buffers (the physical floor of a copy)."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
@@ -76,7 +113,11 @@ def measure(topology: str, sizes: tuple[int, ...], *, budget_s: float, baselines
             progress: Callable[[BroadcastFigure], None]) -> list[BroadcastFigure]:
     """Measure every size and mode for one topology with one set of reader processes."""
     figures = []
-    with MessageQueueHarness(TOPOLOGIES[topology], PatchMode.UPSTREAM, timeout=120, ack_only=True) as harness:
+    topo = TOPOLOGIES[topology]
+    split = host_cpus() if topo.remote_readers else None
+    writer_cpus, reader_cpus = split if split else (None, None)
+    with threads_on(writer_cpus), MessageQueueHarness(topo, PatchMode.UPSTREAM, timeout=120, ack_only=True,
+                                                      remote_reader_cpus=reader_cpus) as harness:
         try:
             # Fresh reader processes are slow for their first messages (imports, first touch).
             small, until = torch.randn(16 * KiB), time.monotonic() + 1.0
@@ -93,8 +134,8 @@ def measure(topology: str, sizes: tuple[int, ...], *, budget_s: float, baselines
                         start = time.perf_counter()
                         harness.send({"prompt_embeds": tensor})
                         held[mode].append((time.perf_counter() - start) * 1e3)
-                        harness.collect()
-                        return (time.perf_counter() - start) * 1e3
+                        received = max(report[RECEIVED_AT] for report in harness.collect().values())
+                        return (received - start) * 1e3
                     return once
 
                 timers = {mode: timer(mode) for mode in MODES}

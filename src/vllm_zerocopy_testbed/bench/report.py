@@ -122,7 +122,10 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
           f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
-          "⚠ marks a spread above 5%. Ratios are within this run. Broadcast `upstream` and `testbed` (on the "
+          "⚠ marks a spread above 5%. Ratios are within this run. A broadcast message counts from `enqueue` "
+          "until the last reader had it rebuilt (the reader's own clock; the acknowledgement's way back is not "
+          "counted); the remote reader, standing for another host, runs on half of the CPUs and the writer on "
+          "the other half. Broadcast `upstream` and `testbed` (on the "
           "same writer and readers) and the channel variants (on the same graph) take turns message by message; "
           "their `/ upstream` and `/ none` are the median (and spread) of each round's ratio to that round's "
           "baseline. Broadcast `off` runs in its own block after them (its heavy messages slow the next ones); "

@@ -5,6 +5,8 @@ readers are spawned processes that attach through the queue's handle: local
 readers through the shared-memory ring, remote readers over TCP on a loopback
 address. Readers describe every tensor or array they receive (digest, dtype,
 shape, writability) and send that back, so bit-exactness is checked on bytes.
+Benchmarks ask only for the time each reader had the message rebuilt
+(``ack_only``), and may give remote readers CPUs of their own, as another host's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from vllm_zerocopy_testbed.patches import broadcast
 logger = logging.getLogger(__name__)
 
 _STOP = "__testbed_stop__"
+# Key of an ``ack_only`` report: ``time.perf_counter()`` in the reader once the message was
+# rebuilt; CLOCK_MONOTONIC, so comparable with the writer's on the same host.
+RECEIVED_AT = "received_at"
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,9 @@ def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int]
 
 
 def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
-                 ack_only: bool = False) -> None:
+                 ack_only: bool = False, cpus: frozenset[int] | None = None) -> None:
+    if cpus:  # before any thread starts: ZMQ's I/O threads inherit it
+        os.sched_setaffinity(0, cpus)
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     mq = MessageQueue.create_from_handle(handle, rank)
@@ -135,8 +142,8 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
         if frame_sizes is not None:
             results.put((rank, {"frames": frame_sizes}))
             continue
-        if ack_only:  # benchmarks: the message is rebuilt (loads), nothing is hashed
-            results.put((rank, {}))
+        if ack_only:  # benchmarks: when the message was rebuilt (loads); nothing is hashed
+            results.put((rank, {RECEIVED_AT: time.perf_counter()}))
             continue
         not_writable = any("not writable" in str(w.message) for w in caught)
         report = {}
@@ -158,11 +165,13 @@ class MessageQueueHarness:
         timeout: float = 60.0,
         wire_report: bool = False,
         ack_only: bool = False,
+        remote_reader_cpus: frozenset[int] | None = None,
     ) -> None:
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
         self.ack_only = ack_only
+        self.remote_reader_cpus = remote_reader_cpus
         self.topology = topology
         self.mode = mode
         self.timeout = timeout
@@ -186,9 +195,10 @@ class MessageQueueHarness:
         handle = self.writer.export_handle()
         try:
             for rank in range(1, topo.readers + 1):
+                cpus = self.remote_reader_cpus if rank > topo.local_readers else None
                 proc = self._ctx.Process(
                     target=_reader_main,
-                    args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only),
+                    args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only, cpus),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )
@@ -219,10 +229,11 @@ class MessageQueueHarness:
     def send(self, payload: dict[str, Any]) -> None:
         self.writer.enqueue(payload, timeout=self.timeout)
 
-    def collect(self) -> dict[int, dict[str, ItemReport]]:
-        """Return each reader's report of the next message; raise if one is late or dead."""
+    def collect(self) -> dict[int, dict[str, Any]]:
+        """Return each reader's report of the next message (``ack_only``: ``{RECEIVED_AT: t}``);
+        raise if one is late or dead."""
         deadline = time.monotonic() + self.timeout
-        reports: dict[int, dict[str, ItemReport]] = {}
+        reports: dict[int, dict[str, Any]] = {}
         while len(reports) < self.topology.readers:
             try:
                 rank, report = self._results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
