@@ -170,8 +170,9 @@ def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[Release]:
     message (its garbage-collector thread drops the reference then). Each buffer is sent as a
     fresh ``memoryview`` that only pyzmq references once this function returns, so a weak
     reference to it dies exactly when ZMQ no longer reads the bytes, and its callback
-    releases a plain lock. That is what pyzmq's ``MessageTracker`` says too, for about half
-    the cost: no ``threading.Event`` and tracker per frame, no ``Condition`` in the release.
+    releases a plain lock. That is what pyzmq's ``MessageTracker`` says too, without its
+    ``threading.Event`` and tracker per frame (~10 us before the send) and the ``Condition``
+    its release goes through.
     """
     if not hold or len(frames) == 1:
         socket.send_multipart(frames, copy=False)
