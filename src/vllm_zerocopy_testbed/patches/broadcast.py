@@ -20,10 +20,10 @@ to hand the bytes to the kernel, which the reader waits for anyway. Only the ZMQ
 paths (overflow to local readers, remote readers) wait: the shared-memory ring
 copies the bytes inside ``enqueue`` already. The release is seen through a weak
 reference (``_send``), not pyzmq's ``MessageTracker``: with the modes
-interleaved message by message and the remote reader on its own core
-(``make bench``), testbed / upstream is 0.98 at 1 MiB with the weak reference,
-1.05 with trackers; handing ZMQ a copy instead cost 1.19x (docs/design.md,
-"Wait, do not copy").
+interleaved message by message and the remote reader on its own core,
+testbed / upstream at 1 MiB is 0.98-1.03 with the weak reference (``make bench``:
+1.03, spread 9%), 1.05-1.09 with trackers; handing ZMQ a copy instead cost 1.19x
+(docs/design.md, "Wait, do not copy", "Seeing the release for less").
 """
 
 from __future__ import annotations
@@ -185,7 +185,6 @@ def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[Release]:
         lock.acquire()
         releases.append((lock, weakref.ref(view, lambda _, lock=lock: lock.release())))
         parts.append(view)
-        del view
     socket.send_multipart(parts, copy=False)
     return releases
 
