@@ -71,6 +71,8 @@ PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
 RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
 # Local backend only: the engine joins Ray as this node (see plugins/general.py).
 RAY_DRIVER_IP_ENV = "TESTBED_RAY_DRIVER_IP"
+# 1: log the timeline of every out-of-band MessageQueue buffer (patches/timeline.py).
+MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class TestbedConfig:
     cpu_platform: bool = True
     ray_device_key: str = "HPU"
     ray_driver_ip: str | None = None
+    mq_timeline: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -100,6 +103,9 @@ class TestbedConfig:
         platform_raw = env.get(PLATFORM_ENV, "on").strip().lower()
         if platform_raw not in ("on", "off"):
             raise ConfigError(f"{PLATFORM_ENV}={platform_raw!r} is invalid; use on or off")
+        timeline_raw = env.get(MQ_TIMELINE_ENV, "0").strip()
+        if timeline_raw not in ("0", "1"):
+            raise ConfigError(f"{MQ_TIMELINE_ENV}={timeline_raw!r} is invalid; use 0 or 1")
         key = env.get(RAY_DEVICE_KEY_ENV, "HPU").strip()
         if key not in ("HPU", "GPU"):
             raise ConfigError(f"{RAY_DEVICE_KEY_ENV}={key!r} is invalid; use HPU or GPU")
@@ -110,6 +116,7 @@ class TestbedConfig:
             cpu_platform=platform_raw == "on",
             ray_device_key=key,
             ray_driver_ip=env.get(RAY_DRIVER_IP_ENV) or None,
+            mq_timeline=timeline_raw == "1",
         )
 
 

@@ -12,6 +12,8 @@ import logging
 import weakref
 from typing import Any, Callable
 
+from vllm_zerocopy_testbed.patches.timeline import on_send
+
 WIRE_PREFIX = "mq-send"
 # Control messages are small; only messages at least this big are logged.
 MIN_LOGGED_BYTES = 512 * 1024
@@ -32,8 +34,12 @@ def wire_line(path: str, sizes: list[int]) -> str:
     return f"{WIRE_PREFIX} path={path} frames={','.join(map(str, sizes))}"
 
 
-def install(log: logging.Logger) -> None:
-    """Tap every MessageQueue writer created from now on in this process (idempotent)."""
+def install(log: logging.Logger, timeline: bool = False) -> None:
+    """Tap every MessageQueue writer created from now on in this process (idempotent).
+
+    With ``timeline``, each large out-of-band frame's hand-off and release also go to
+    ``patches/timeline.py`` (issue 16).
+    """
     global _installed
     if _installed:
         return
@@ -57,6 +63,8 @@ def install(log: logging.Logger) -> None:
             sizes = [_nbytes(p) for p in msg_parts]
             if sum(sizes) >= MIN_LOGGED_BYTES:
                 log.info(wire_line(path, sizes))
+            if timeline:  # every message: readers number them the same way
+                on_send(self, path, msg_parts)
         return original_send(self, msg_parts, *args, **kwargs)
 
     MessageQueue.__init__ = init  # type: ignore[method-assign]

@@ -7,7 +7,7 @@ import os
 import sys
 
 from vllm_zerocopy_testbed.config import PatchMode, TestbedConfig
-from vllm_zerocopy_testbed.patches import apply_modes, inflight, wiretap
+from vllm_zerocopy_testbed.patches import apply_modes, inflight, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
 
@@ -40,11 +40,16 @@ def register() -> None:
         inflight.install()
     if role == "engine-core":
         # The engine writes the scheduler's broadcast: tap its sends for the transport checker.
-        wiretap.install(testbed_logger())
+        wiretap.install(testbed_logger(), timeline=config.mq_timeline)
+        if config.mq_timeline:
+            timeline.install_writer(testbed_logger())
+    if config.mq_timeline and role in ("engine-core", "ray-worker", "mp-worker"):
+        timeline.install_reader(testbed_logger())
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
     # reliable (nodes share a log directory), and placement is read from this.
     node = f" node={_ray_node_ip()}" if role == "ray-worker" else ""
-    testbed_logger().info("testbed modes pid=%d role=%s %s%s", os.getpid(), role, modes, node)
+    traced = " mq-timeline=on" if config.mq_timeline else ""
+    testbed_logger().info("testbed modes pid=%d role=%s %s%s%s", os.getpid(), role, modes, node, traced)
 
 
 def _ray_node_ip() -> str:
