@@ -41,6 +41,10 @@ class TinyModelSpec:
         return self.hidden_size // self.num_heads
 
 
+# The structured-output variant (/model-vocab256k in the node image): a grammar bitmask row is
+# vocab / 8 bytes, so 32 structured requests in one batch make a >= 1 MiB out-of-band buffer.
+LARGE_VOCAB = 262144
+
 _CORPUS_LINES = (
     "The quick brown fox jumps over the lazy dog.",
     "Pipeline parallel stages pass hidden states from one node to the next.",
@@ -117,6 +121,13 @@ def build_weights(spec: TinyModelSpec, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def model_dir(spec: TinyModelSpec) -> Path:
+    """Where the host keeps ``spec``'s build: ``DEFAULT_DIR`` for the default, a sibling per variant."""
+    if spec == TinyModelSpec():
+        return DEFAULT_DIR
+    return DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-vocab{spec.vocab_size}-pos{spec.max_positions}")
+
+
 def checksum(directory: Path) -> str:
     """Return the sha256 over the names and bytes of every file in ``directory``."""
     digest = hashlib.sha256()
@@ -143,8 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the testbed's tiny deterministic Llama.")
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="directory to write")
     parser.add_argument("--max-positions", type=int, default=TinyModelSpec.max_positions)
+    parser.add_argument("--vocab-size", type=int, default=TinyModelSpec.vocab_size,
+                        help="the model's vocabulary; past what the corpus trains, ids have no token "
+                             f"(structured outputs mask them): {LARGE_VOCAB} makes a grammar bitmask row 32 KiB")
     args = parser.parse_args(argv)
-    digest = build(args.out, TinyModelSpec(max_positions=args.max_positions))
+    digest = build(args.out, TinyModelSpec(max_positions=args.max_positions, vocab_size=args.vocab_size))
     print(f"{args.out} sha256={digest}")
 
 

@@ -19,7 +19,7 @@ from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings
-from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
 
 HOST = "127.0.0.1"
 PORT = 8021
@@ -28,8 +28,11 @@ PORT = 8021
 class ReferenceServer(Service):
     """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager."""
 
-    def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
+    def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
+                 spec: TinyModelSpec = TinyModelSpec()) -> None:
+        """``spec``: the model variant the cluster serves (the node image builds the same ones)."""
         self.settings = settings or ClusterSettings.from_env()
+        self.spec = spec
         self.up_timeout = up_timeout
         self._server: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="testbed-reference-", suffix=".log")[1])
@@ -42,8 +45,9 @@ class ReferenceServer(Service):
     def up(self) -> float:
         """Start the server, wait (bounded) for ``/health`` and one warm-up answer; return seconds."""
         start = time.monotonic()
-        build(DEFAULT_DIR)
-        values = {**self.settings.values, "TESTBED_MODEL": str(DEFAULT_DIR)}
+        directory = model_dir(self.spec)
+        build(directory, self.spec)
+        values = {**self.settings.values, "TESTBED_MODEL": str(directory)}
         argv = serve_argv(replace(self.settings, values=values), host=HOST, port=PORT, single_process=True)
         # The cluster's settings (VLLM_CPU_KVCACHE_SPACE above all: without it vLLM-CPU
         # reserves 92% of the host's memory and refuses to start when less is free), and one

@@ -91,6 +91,18 @@ def concurrent_specs(count: int) -> list[CompletionSpec]:
                            max_tokens=MAX_TOKENS, logprobs=5) for i in range(count)]
 
 
+# Structured outputs: grammars whose masks share no token, so a request sampled with another
+# request's bitmask row (the send race on the grammar bitmask) breaks its own regex.
+STRUCTURED_REGEXES = ("[0-9]{12}", "(red|green|blue)( (red|green|blue)){3}", "[n-z]{12}", "(yes|no)( (yes|no)){5}")
+
+
+def structured_specs(count: int, max_tokens: int = 32) -> list[CompletionSpec]:
+    """``count`` distinct regex-constrained requests, the grammars taking turns."""
+    return [CompletionSpec(f"structured/{i}", prompt_ids=tuple(token_ids(6 + i % 5, seed=400 + i)),
+                           max_tokens=max_tokens, regex=STRUCTURED_REGEXES[i % len(STRUCTURED_REGEXES)])
+            for i in range(count)]
+
+
 def reference_specs(sizes: EmbedsSizes, max_num_seqs: int) -> list[CompletionSpec]:
     """Every spec the cluster suites compare with the single-process reference."""
     return [*plain_specs(sizes), *embeds_specs(sizes), *embeds_batch_specs(), *logprobs_specs(), *prompt_logprobs_specs(),

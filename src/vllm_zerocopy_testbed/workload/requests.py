@@ -47,6 +47,8 @@ class CompletionSpec:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     stream: bool = False
+    # Structured output: the answer must match this regex in full (vLLM's grammar bitmask path).
+    regex: str | None = None
 
     def body(self) -> dict[str, Any]:
         """Return the keyword arguments of ``client.completions.create`` (without model)."""
@@ -56,6 +58,8 @@ class CompletionSpec:
             extra["prompt_embeds"] = encoded[0] if len(encoded) == 1 else encoded
         if self.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self.prompt_logprobs
+        if self.regex is not None:
+            extra["structured_outputs"] = {"regex": self.regex}
         args: dict[str, Any] = {
             "prompt": list(self.prompt_ids) if self.prompt_ids is not None else None,
             "max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream,
