@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES, _send, _wait_sent
+import time
+
+from vllm_zerocopy_testbed.patches.broadcast import (OOB_MIN_BYTES, SendNotReleased, _send, _wait_sent,
+                                                     release_deadline)
 
 pytestmark = pytest.mark.unit
 
@@ -47,16 +50,16 @@ def test_out_of_band_frames_are_zero_copy_and_waited_on(pair) -> None:
     buffer = bytearray(b"\x01" * OOB_MIN_BYTES)
     releases = _send(sender, [b"stream", memoryview(buffer)], hold=True)
     assert len(releases) == 1
-    with pytest.raises(TimeoutError):  # inproc: released only once the peer dropped the message
-        _wait_sent(releases, timeout=0.2)
+    with pytest.raises(SendNotReleased):  # inproc: released only once the peer dropped the message
+        _wait_sent([("the peer", releases)], time.monotonic() + 0.2)
     frames = receiver.recv_multipart(copy=False)
     assert frames[1].bytes == bytes(buffer)
     buffer[0] = 3  # zero copy: over inproc the peer's frame is the caller's memory
     assert frames[1].buffer[0] == 3
-    with pytest.raises(TimeoutError):  # the peer still holds the message
-        _wait_sent(releases, timeout=0.2)
+    with pytest.raises(SendNotReleased):  # the peer still holds the message
+        _wait_sent([("the peer", releases)], time.monotonic() + 0.2)
     del frames
-    _wait_sent(releases, timeout=10)
+    _wait_sent([("the peer", releases)], time.monotonic() + 10)
     buffer[:] = b"\x02" * OOB_MIN_BYTES  # now safe: nobody reads the old bytes any more
 
 
@@ -65,3 +68,41 @@ def test_a_held_send_keeps_the_stream_in_one_untracked_frame(pair) -> None:
     sender, receiver = pair
     assert _send(sender, [b"stream only"], hold=True) == []
     assert receiver.recv_multipart() == [b"stream only"]
+
+
+def _held(pair) -> tuple[list, list]:
+    """A held send the peer has not received: ZMQ keeps the buffer until the peer takes it."""
+    sender, _ = pair
+    buffer = bytearray(OOB_MIN_BYTES)
+    return _send(sender, [b"stream", memoryview(buffer)], hold=True), [buffer]
+
+
+def test_a_released_buffer_passes_a_deadline_already_past(pair) -> None:
+    """``enqueue(timeout=0)`` succeeds when ZMQ has let go of every buffer by then."""
+    sender, receiver = pair
+    releases = _send(sender, [b"stream", memoryview(bytearray(OOB_MIN_BYTES))], hold=True)
+    receiver.recv_multipart()  # copied out: libzmq frees the message, pyzmq's gc thread drops the view
+    deadline = time.monotonic() + 10
+    while releases[0][0].locked():
+        assert time.monotonic() < deadline, "the buffer was never released"
+        time.sleep(0.01)
+    _wait_sent([("the peer", releases)], release_deadline(0, time.monotonic()))
+
+
+def test_a_stuck_reader_ends_the_wait_at_the_step_timeout_with_a_named_error(pair, monkeypatch) -> None:
+    """``timeout=None`` (what vLLM's executors pass) waits VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, not forever;
+    the error names the readers, and is no ``TimeoutError`` (the message was sent: no retry)."""
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1")
+    releases, _keep = _held(pair)
+    started = time.monotonic()
+    with pytest.raises(SendNotReleased) as caught:
+        _wait_sent([("2 remote reader(s) of tcp://0.0.0.0:5555", releases)], release_deadline(None, started))
+    waited = time.monotonic() - started
+    assert 1.0 <= waited < 5.0, f"waited {waited:.1f} s for a 1 s bound"
+    assert "2 remote reader(s) of tcp://0.0.0.0:5555" in str(caught.value) and "do not retry" in str(caught.value)
+    assert not isinstance(caught.value, TimeoutError)
+
+
+def test_the_timeout_counts_from_the_start_of_enqueue() -> None:
+    started = time.monotonic() - 3.0  # the ring's wait and the pickling took 3 s already
+    assert release_deadline(5.0, started) == pytest.approx(started + 5.0)

@@ -108,7 +108,7 @@ def test_a_send_held_until_released_shows_no_overlap(pair, lines) -> None:
     received = receiver.recv_multipart(copy=False)
     timeline.on_recv(receiver, received)
     del received
-    _wait_sent(releases, timeout=10)
+    _wait_sent([("the peer", releases)], time.monotonic() + 10)
     _wait_for(lines, "release", 1)
     timeline.on_write("grammar_bitmask", buffer, time.monotonic())
     buffer[:] = b"\x02" * len(buffer)

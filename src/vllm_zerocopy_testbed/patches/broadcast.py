@@ -189,30 +189,83 @@ def _send(socket: zmq.Socket, frames: list[Any], hold: bool) -> list[Release]:
     return releases
 
 
-def _wait_sent(releases: list[Release], timeout: float | None) -> None:
-    """Block until ZMQ no longer reads any of the buffers; bounded by ``timeout``."""
-    if not releases:
-        return
+class SendNotReleased(RuntimeError):
+    """ZMQ still held a message's out-of-band buffers at the bound: a reader is not consuming.
+
+    Not a ``TimeoutError``: ``acquire_write`` raises that when nothing was written and a
+    retry is safe; here the message is already in ZMQ's hands, and a retry would send it twice.
+    """
+
+
+# One message's zero-copy buffers on one path, and who reads that path (for the error).
+Pending = tuple[str, list[Release]]
+
+
+def release_deadline(timeout: float | None, started: float) -> float:
+    """Return when the wait for ZMQ's release must end.
+
+    ``timeout`` counts from the start of ``enqueue`` (the ring's wait included), so the
+    whole call stays within it. vLLM's executors pass ``timeout=None`` and bound the step
+    instead: the RPC fails after ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` when a worker does
+    not answer. The same bound here keeps the fix no less available than upstream's
+    racy send, which returns at once and leaves the RPC to time out.
+    """
+    if timeout is not None:
+        return started + timeout
+    from vllm import envs
+
+    return time.monotonic() + float(envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+
+
+def _left(timeout: float | None, started: float) -> float | None:
+    """What is left of ``timeout`` (seconds) since ``started``; ``None`` stays unbounded."""
+    return None if timeout is None else max(0.0, started + timeout - time.monotonic())
+
+
+def _wait_sent(pending: list[Pending], deadline: float) -> None:
+    """Block until ZMQ no longer reads any of the buffers, until ``deadline`` (monotonic) at most.
+
+    A buffer already released passes even with the deadline past (``timeout=0``).
+    """
     from vllm import envs
 
     warn_every = float(envs.VLLM_RINGBUFFER_WARNING_INTERVAL)
-    start = time.monotonic()
-    for lock, _ in releases:
-        while True:
-            elapsed = time.monotonic() - start
-            step = warn_every if timeout is None else min(warn_every, timeout - elapsed)
-            if step <= 0:
-                raise TimeoutError(
-                    f"MessageQueue.enqueue: ZMQ still sending after {timeout} s; "
-                    "a reader is not consuming (dead or stuck node?)"
-                )
-            if lock.acquire(timeout=step):
-                break
-            logger.warning(
-                "MessageQueue.enqueue: out-of-band buffers not sent after %.0f s; "
-                "is every reader alive?",
-                time.monotonic() - start,
-            )
+    started = time.monotonic()
+    for index, (_, releases) in enumerate(pending):
+        for lock, _ in releases:
+            while not lock.acquire(timeout=max(0.0, min(warn_every, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise SendNotReleased(
+                        "MessageQueue.enqueue: ZMQ still holds this message's out-of-band buffers "
+                        f"{time.monotonic() - started:.1f} s after the send; not consuming: "
+                        f"{', '.join(_holders(pending[index:]))}. The message was sent: do not retry; "
+                        "a stopped or stuck reader holds it (bound: the enqueue timeout, else "
+                        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)"
+                    )
+                logger.warning(
+                    "MessageQueue.enqueue: out-of-band buffers not released after %.0f s (%s); "
+                    "is every reader alive?", time.monotonic() - started, ", ".join(_holders(pending[index:])))
+
+
+def _holders(pending: list[Pending]) -> list[str]:
+    """The readers of each path whose buffers are not all released yet."""
+    held = []
+    for readers, releases in pending:
+        free = [lock.acquire(blocking=False) for lock, _ in releases]
+        for got, (lock, _) in zip(free, releases):
+            if got:
+                lock.release()  # the check must not consume a release the wait still needs
+        if not all(free):
+            held.append(readers)
+    return held
+
+
+def _readers(mq: Any, path: str) -> str:
+    """Name who reads ``path`` of ``mq``: count and endpoint (ZMQ does not say which subscriber holds)."""
+    if path == "remote":
+        endpoint = mq.remote_socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return f"{mq.n_remote_reader} remote reader(s) of {endpoint}"
+    return f"{mq.n_local_reader} local reader(s) of the overflow socket"
 
 
 def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Callable[..., None]:
@@ -223,22 +276,25 @@ def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Calla
         if getattr(self, "tensor_arena", None) is not None:
             # The opt-in shm tensor arena is its own transport; leave it to vLLM.
             return installed(self, obj, timeout)
+        started = time.monotonic()
         frames = serialize(obj, policy.zero_copy_tensors)
-        releases: list[Release] = []
+        pending: list[Pending] = []
         if self.n_local_reader > 0:
             if _ring_bytes(frames) > self.buffer.max_chunk_bytes:
-                with self.acquire_write(timeout) as chunk:
+                with self.acquire_write(_left(timeout, started)) as chunk:
                     chunk[0] = 1  # overflow: readers take the frames from the socket
-                releases += _send(self.local_socket, frames, policy.hold_until_sent)
+                pending.append((_readers(self, "overflow"),
+                                _send(self.local_socket, frames, policy.hold_until_sent)))
             else:
-                with self.acquire_write(timeout) as chunk:
+                with self.acquire_write(_left(timeout, started)) as chunk:
                     _write_ring(chunk, frames)
             spin = getattr(self, "_spin_condition", None)
             if spin is not None:
                 spin.notify()
         if self.n_remote_reader > 0:
-            releases += _send(self.remote_socket, frames, policy.hold_until_sent)
-        _wait_sent(releases, timeout)
+            pending.append((_readers(self, "remote"), _send(self.remote_socket, frames, policy.hold_until_sent)))
+        if any(releases for _, releases in pending):
+            _wait_sent(pending, release_deadline(timeout, started))
 
     enqueue.testbed_mode = policy.mode  # type: ignore[attr-defined]
     return enqueue
