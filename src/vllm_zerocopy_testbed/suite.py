@@ -37,6 +37,8 @@ SIZES = EmbedsSizes.for_chunk(int(SETTINGS.values.get("VLLM_MQ_MAX_CHUNK_BYTES_M
 
 HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
+# Profiles whose cluster this run brought up (a `make up` cluster is used and left as found).
+STARTED_BY_RUN: set[str] = set()
 # One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
 
@@ -75,13 +77,17 @@ class LiveCluster:
     def healthy(self) -> bool:
         return is_healthy(self.backend.base_url.removesuffix("/v1"))
 
+    def _runner(self) -> Runner:
+        """A runner for this profile's cluster; fail fast if an earlier workload killed the engine."""
+        if self.dead:
+            pytest.fail(f"not run: {self.dead}")
+        return Runner(self.backend.base_url, self.settings["TESTBED_SERVED_MODEL"], HISTORY, str(self.profile),
+                      REQUEST_TIMEOUT_S)
+
     def run(self, suite: str, specs: list[CompletionSpec], *, concurrency: int = 1,
             seconds: float | None = None) -> list[Record]:
         """Run a workload; fail fast if an earlier one killed the engine; note a death it causes."""
-        if self.dead:
-            pytest.fail(f"not run: {self.dead}")
-        runner = Runner(self.backend.base_url, self.settings["TESTBED_SERVED_MODEL"], HISTORY, str(self.profile),
-                        REQUEST_TIMEOUT_S)
+        runner = self._runner()
         if seconds is not None:
             records = runner.run_for(suite, specs, seconds)
         else:
@@ -90,6 +96,11 @@ class LiveCluster:
             first = next(r for r in records if not r.ok)
             self.dead = f"the engine died in suite {suite!r} ({first.key}: {first.error})"
         return records
+
+    def run_staggered(self, suite: str, specs: list[CompletionSpec], *, clients: int,
+                      seconds: float) -> list[Record]:
+        """``clients`` clients for ``seconds``, each pausing a seeded 0-0.4 s before each request."""
+        return self._runner().run_staggered(suite, specs, clients=clients, seconds=seconds)
 
     def evidence(self, lines: int = 30) -> str:
         """Return the server log lines that say why requests failed (timeouts, dead engine, errors)."""

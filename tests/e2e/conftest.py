@@ -21,7 +21,8 @@ from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
 from vllm_zerocopy_testbed.suite import (FAULTS, HISTORY, KNOWN_FAILURES, MODES_CHOSEN, PROFILES, REPORT,
-                                         REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, LiveCluster, Reference)
+                                         REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
+                                         Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -33,8 +34,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 # Within a profile: requests without logprobs first (on the compiled-graph executor the
 # first logprobs request kills the engine, issue 5), the cross-profile checks last.
-SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequential", "restart", "smoke", "across",
-               "nemesis")
+SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequential", "restart", "smoke",
+               "structured", "across", "nemesis")
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:
@@ -94,6 +95,7 @@ def cluster(profile: Profile, reference: Reference) -> Iterator[LiveCluster]:
         yield LiveCluster(backend, profile)
         return
     with backend as running:
+        STARTED_BY_RUN.add(str(profile))
         yield LiveCluster(running, profile)
     # Hygiene: what we started is gone (containers, network, Ray processes, /dev/shm files).
     left = backend.leftovers()

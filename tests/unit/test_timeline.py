@@ -169,3 +169,9 @@ def test_events_survive_log_prefixes_and_ignore_cut_lines() -> None:
     logs = ('head-1  | INFO 12-01 10:00:00 [testbed] mq-timeline {"ev":"write","pid":1,"kind":"k","addr":1,'
             '"nbytes":2,"t":3.0}\n(RayWorkerProc pid=9) INFO [testbed] mq-timeline {"ev":"recv",\n')
     assert checker.events(logs) == [{"ev": "write", "pid": 1, "kind": "k", "addr": 1, "nbytes": 2, "t": 3.0}]
+
+
+def test_a_report_line_names_every_figure() -> None:
+    found = [_event("send", 1.0), _event("release", 1.004), _event("write", 1.002)]
+    line = checker.describe(checker.summarize(found)["sample_tokens"])
+    assert line.startswith("sample_tokens: 1 out-of-band frames") and "1 written while held" in line

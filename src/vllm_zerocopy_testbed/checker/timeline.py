@@ -136,6 +136,14 @@ def check_no_overlap(logs: str, *, need_kind: str | None = None) -> Verdict:
     return verdict
 
 
+def describe(figures: KindFigures) -> str:
+    """One line of figures for a report: frames, hold, smallest gap, overlaps, changed at readers."""
+    row = figures.as_dict()
+    return (f"{row['kind']}: {row['sent']} out-of-band frames (>= 1 MiB), held by ZMQ p50 {row['held_ms_p50']} ms / "
+            f"max {row['held_ms_max']} ms, smallest gap from release to the next write {row['min_gap_ms']} ms, "
+            f"{row['overlaps']} written while held, {row['corrupt']} of {row['received']} changed at readers")
+
+
 def table(summary: dict[str, KindFigures]) -> str:
     """Return the summary as a Markdown table, one row per buffer kind."""
     columns = ["kind", "sent", "released", "held_ms_p50", "held_ms_max", "rewritten", "min_gap_ms", "overlaps",

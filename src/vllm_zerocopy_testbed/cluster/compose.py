@@ -217,6 +217,21 @@ class ComposeCluster(Cluster):
             self._run(["docker", "exec", container, "kill", "-9", *pids], timeout=30)
         return [int(p) for p in pids]
 
+    def stop_cycle(self, service: str, pid: int, *, stopped_s: float, running_s: float, seconds: float) -> None:
+        """SIGSTOP then SIGCONT process ``pid`` of ``service``'s container in turns, for ``seconds``.
+
+        A gray failure: one slow rank while its node stays healthy. The loop runs inside
+        our own container (detached, bounded by ``seconds``) and always ends with SIGCONT;
+        ``resume`` ends it early.
+        """
+        loop = (f"end=$(( $(date +%s) + {int(seconds)} )); while [ $(date +%s) -lt $end ]; do "
+                f"kill -STOP {pid}; sleep {stopped_s}; kill -CONT {pid}; sleep {running_s}; done; kill -CONT {pid}")
+        self._run(["docker", "exec", "-d", self._container(service), "sh", "-c", loop], timeout=30)
+
+    def resume(self, service: str, pid: int) -> None:
+        """SIGCONT ``pid`` in ``service``'s container (after ``stop_cycle``'s bound, a no-op)."""
+        self._run(["docker", "exec", self._container(service), "kill", "-CONT", str(pid)], timeout=30, check=False)
+
     def state(self, service: str) -> str:
         """Return the service container's state (running, paused, restarting, exited, missing)."""
         infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == service]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +46,31 @@ class Runner:
             return records
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             return list(pool.map(one, specs))
+
+    def run_staggered(self, suite: str, specs: Iterable[CompletionSpec], *, clients: int, seconds: float,
+                      max_pause_s: float = 0.4) -> list[Record]:
+        """``clients`` threads take the next spec (cycling) after a seeded pause of up to ``max_pause_s``,
+        until ``seconds`` have passed: arrivals spread out, so batches keep forming while others run."""
+        client = self._client()
+        order = itertools.cycle(list(specs))
+        lock = threading.Lock()
+        deadline = time.monotonic() + seconds
+        records: list[Record] = []
+
+        def loop(seed: int) -> None:
+            pauses = random.Random(seed)
+            while time.monotonic() + max_pause_s < deadline:
+                time.sleep(pauses.uniform(0, max_pause_s))
+                with lock:
+                    spec = next(order)
+                record = self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
+                                               timeout=self.timeout_s))
+                with lock:
+                    records.append(record)
+
+        with ThreadPoolExecutor(max_workers=clients) as pool:
+            list(pool.map(loop, range(clients)))
+        return records
 
     def run_for(self, suite: str, specs: Iterable[CompletionSpec], seconds: float) -> list[Record]:
         """Cycle through ``specs`` one at a time until ``seconds`` have passed; return the records."""
