@@ -8,7 +8,6 @@ upstream PR 53217, made deterministic.
 from __future__ import annotations
 
 import pytest
-import zmq
 
 import time
 
@@ -16,18 +15,6 @@ from vllm_zerocopy_testbed.patches.broadcast import (OOB_MIN_BYTES, SendNotRelea
                                                      release_deadline)
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-def pair():
-    context = zmq.Context()
-    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-    receiver.bind("inproc://testbed-send")
-    sender.connect("inproc://testbed-send")
-    yield sender, receiver
-    sender.close(linger=0)
-    receiver.close(linger=0)
-    context.term()
 
 
 def _send_then_reuse(sender, receiver, nbytes: int, hold: bool) -> tuple[list, bytes]:

@@ -12,7 +12,6 @@ import logging
 import time
 
 import pytest
-import zmq
 
 from vllm_zerocopy_testbed.checker import timeline as checker
 from vllm_zerocopy_testbed.patches import timeline
@@ -42,18 +41,6 @@ def lines(monkeypatch):
     monkeypatch.setattr(timeline, "_log", log)
     yield handler.lines
     log.removeHandler(handler)
-
-
-@pytest.fixture
-def pair():
-    context = zmq.Context()
-    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-    receiver.bind("inproc://testbed-timeline")
-    sender.connect("inproc://testbed-timeline")
-    yield sender, receiver
-    sender.close(linger=0)
-    receiver.close(linger=0)
-    context.term()
 
 
 def _wait_for(lines: list[str], ev: str, count: int, timeout: float = 10.0) -> None:
