@@ -4,16 +4,17 @@ vLLM's structured-output manager refills one persistent bitmask for every batch 
 schedules and broadcasts a view of it inside ``sample_tokens``; with a 262144-token
 vocabulary (``/model-vocab256k``) 32 structured requests make it an out-of-band frame of
 >= 1 MiB, sent with ``copy=False``. Clients arrive staggered (each waits up to 0.4 s
-between requests) so that batches keep forming while others are in flight, the set-up
-in which the engine was measured refilling the bitmask while ZMQ still held it.
+between requests) so that new batches can form while others are in flight; with a slow
+remote rank as well, the engine was measured refilling the bitmask while ZMQ still held
+it, and both remote ranks sampled with the refilled masks (docs/design.md).
 The cluster runs with ``TESTBED_MQ_TIMELINE=1``: the engine logs each frame's hand-off,
 release and the next fill, readers the CRC of what they got (``checker/timeline.py``).
 
 The suite needs its own cluster (model variant, ``--max-num-seqs 128``): it runs last
 in each V2 profile, in place of the profile's cluster, and never takes down a cluster
 this run did not start. While the clients send, the last rank (a TP rank of the remote
-stage that is not the output rank) is stopped 0.3 s of every 0.7 s: a slow rank, the
-amplifier under which the race reached readers (docs/design.md).
+stage that is not the output rank) is stopped 0.3 s of every 0.7 s: a slow rank whose
+full socket buffers keep messages in the engine's ZMQ queue.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ SPEC = TinyModelSpec(vocab_size=LARGE_VOCAB)
 CLIENTS = 96
 SECONDS = 60.0
 SPECS = structured_specs(192)
-# The send race's own words in the timeline checker (checker/timeline.py).
 RANK_LINE = re.compile(r"testbed rank pid=(\d+) rank=(\d+)")
+# The send race's own words in the timeline checker (checker/timeline.py).
 RACE_SIGNATURE = re.compile(r"written again while ZMQ held them|reached a reader with other bytes")
 # A request sampled with another request's bitmask row: the engine's grammar rejects the token
 # and ends the request (HTTP 500), or the answer differs from the reference's.
