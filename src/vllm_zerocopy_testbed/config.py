@@ -73,6 +73,8 @@ RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
 RAY_DRIVER_IP_ENV = "TESTBED_RAY_DRIVER_IP"
 # 1: log the timeline of every out-of-band MessageQueue buffer (patches/timeline.py).
 MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
+# Bytes: cap every node container's TCP buffers (compose/compose.tcp-buffers.yaml); unset: the kernel's.
+TCP_BUFFERS_ENV = "TESTBED_TCP_BUFFERS"
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,8 @@ class ClusterSettings:
     def compose_files(self) -> list[Path]:
         """Return compose.yaml, plus the GPU override on the gpu profile."""
         extra = [COMPOSE_DIR / "compose.gpu.yaml"] if self.device_profile == "gpu" else []
+        if self.values.get(TCP_BUFFERS_ENV):
+            extra.append(COMPOSE_DIR / "compose.tcp-buffers.yaml")
         return [COMPOSE_DIR / "compose.yaml", *extra]
 
     @property

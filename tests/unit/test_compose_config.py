@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 def _rendered(profile: str = "cpu", **overrides: str) -> dict:
     compose = Path(sys.executable).with_name("docker-compose")
-    settings = ClusterSettings.from_env({**os.environ, "TESTBED_PROFILE": profile})
+    settings = ClusterSettings.from_env({**os.environ, "TESTBED_PROFILE": profile, **overrides})
     env = {**os.environ, **settings.values, **overrides}
     files = [arg for f in settings.compose_files for arg in ("-f", str(f))]
     out = subprocess.run([str(compose), *files, "config", "--format", "json"],
@@ -71,3 +71,12 @@ def test_the_gpu_override_reserves_real_gpus_and_drops_the_cpu_stand_ins() -> No
 def test_the_cpu_profile_is_untouched_by_the_gpu_file() -> None:
     services = _rendered("cpu")["services"]
     assert all("deploy" not in s and s["image"].endswith(":cpu") for s in services.values())
+
+
+def test_small_tcp_buffers_only_when_asked() -> None:
+    """TESTBED_TCP_BUFFERS caps the kernel's buffers in every node container (issue 16's amplifier)."""
+    assert all("sysctls" not in service for service in _rendered()["services"].values())
+    services = _rendered(TESTBED_TCP_BUFFERS="65536")["services"]
+    for name in ("head", "worker"):
+        assert services[name]["sysctls"] == {"net.ipv4.tcp_rmem": "4096 65536 65536",
+                                             "net.ipv4.tcp_wmem": "4096 65536 65536"}, name
