@@ -2,7 +2,9 @@
 
 Streamed requests (so that time to first token is seen): prompt_embeds just past
 the out-of-band limit, and logprobs k=5; then 2 x max-num-seqs concurrent
-requests for throughput. The same requests go to the single-process reference
+requests for throughput, and as many regex-constrained ones (structured outputs:
+the grammar bitmask goes to the last stage inside ``sample_tokens``; with this
+512-token model it stays in band, the suite ``structured`` takes the large one). The same requests go to the single-process reference
 first; every cluster figure is also given as a ratio to the reference's.
 """
 
@@ -15,7 +17,7 @@ from vllm_zerocopy_testbed.checker.latency import percentile
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile
-from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, concurrent_specs
+from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, concurrent_specs, structured_specs
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, History, Record
 from vllm_zerocopy_testbed.workload.runner import Runner
@@ -48,6 +50,7 @@ def _workloads(sizes: EmbedsSizes, repeats: int, concurrency: int) -> dict[str, 
         "logprobs-k5": [CompletionSpec("bench/logprobs", prompt_ids=tuple(token_ids(16, seed=8)),
                                        max_tokens=TOKENS, logprobs=5, stream=True)] * repeats,
         f"concurrent-{concurrency}": concurrent_specs(concurrency),
+        f"structured-{concurrency}": structured_specs(concurrency),
     }
 
 
@@ -71,7 +74,7 @@ def _measure(server: str, base_url: str, settings: ClusterSettings, workloads: d
     figures = []
     for name, specs in workloads.items():
         start = time.monotonic()
-        concurrent = name.startswith("concurrent")
+        concurrent = name.startswith(("concurrent", "structured"))
         records = runner.run(name, specs, concurrency=len(specs) if concurrent else 1)
         figure = _figure(server, name, records, time.monotonic() - start)
         failed = [r for r in records if not r.ok]

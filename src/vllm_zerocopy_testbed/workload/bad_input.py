@@ -62,6 +62,8 @@ def cases(model: str, max_model_len: int, max_logprobs: int = 20) -> list[BadReq
                    {**base, "prompt": list(token_ids(8)), "logprobs": max_logprobs + 1}),
         BadRequest("embeds-with-prompt-logprobs", "prompt_embeds together with prompt_logprobs",
                    {**embeds(encode(good)), "prompt_logprobs": 1}),
+        BadRequest("regex-invalid", "a structured-output regex that does not parse (unclosed group)",
+                   {**base, "prompt": list(token_ids(8)), "structured_outputs": {"regex": "([0-9]{3"}}),
     ]
 
 
