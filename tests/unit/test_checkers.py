@@ -53,6 +53,16 @@ def test_bit_exact_check_fails_with_nothing_to_compare() -> None:
     assert bitexact.check([_record("x")], {"x": _record("x")}).ok
 
 
+def test_across_profiles_needs_a_request_in_common_and_sees_one_token() -> None:
+    same = {"v2/testbed": {"k": _record()}, "v2/upstream": {"k": _record()}}
+    assert bitexact.across(same).ok and bitexact.across(same).figures == {"v2/testbed vs v2/upstream": 1}
+    differs = {"v2/testbed": {"k": _record()}, "v2/upstream": {"k": _record(tokens=(1, 3))}}
+    assert "v2/testbed vs v2/upstream, k:" in str(bitexact.across(differs))
+    disjoint = {"v2/testbed": {"a": _record("a")}, "cgraph/upstream": {"b": _record("b")}}
+    verdict = bitexact.across(disjoint)
+    assert not verdict.ok and "nothing compared" in str(verdict)
+
+
 def test_latency_budget_is_relative_to_the_reference() -> None:
     reference = [_record(latency_s=0.1) for _ in range(5)]
     assert latency.check([_record(latency_s=1.0)] * 10, reference, factor=20).ok

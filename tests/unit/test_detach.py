@@ -86,7 +86,10 @@ def test_apply_replaces_the_function_vllm_calls(detach_mode) -> None:
         assert ray_executor.detach_zero_copy_from_model_runner_output is detach.resolve(detach_mode)
     finally:
         detach.apply(PatchMode.UPSTREAM)
-    assert ray_utils.detach_zero_copy_from_model_runner_output is detach.upstream_detach()
+    for module in (ray_executor, ray_utils):  # vLLM's own function is back where vLLM calls it
+        restored = module.detach_zero_copy_from_model_runner_output
+        assert (restored.__module__, restored.__name__) == (
+            "vllm.v1.executor.ray_utils", "detach_zero_copy_from_model_runner_output"), module.__name__
 
 
 def test_one_execution_in_flight_only_for_compiled_graphs_with_pp_and_tp(monkeypatch) -> None:

@@ -7,6 +7,7 @@ fp32 partials in another order (measured: TP=2 vs TP=1 differ by <= 5.1e-6).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Iterable
 
@@ -89,3 +90,21 @@ def first_answers(records: Iterable[Record]) -> dict[str, Record]:
         if record.ok:
             firsts.setdefault(record.key, record)
     return firsts
+
+
+def across(answered: dict[str, dict[str, Record]]) -> Verdict:
+    """Every request two profiles both answered must be bit-exact between them; comparing nothing fails.
+
+    ``answered``: profile -> (key -> first answer). A pair of profiles with no request in
+    common compares nothing; if no pair compares anything, the check cannot speak and fails.
+    """
+    verdict = Verdict("profiles agree")
+    for (name_a, a), (name_b, b) in itertools.combinations(answered.items(), 2):
+        common = sorted(set(a) & set(b))
+        for key in common:
+            for difference in differences(a[key], b[key])[:2]:
+                verdict.fail(f"{name_a} vs {name_b}, {key}: {difference}")
+        verdict.figures[f"{name_a} vs {name_b}"] = len(common)
+    if not sum(verdict.figures.values()):
+        verdict.fail(f"no request was answered by two profiles: nothing compared ({sorted(answered)})")
+    return verdict
