@@ -96,10 +96,11 @@ def _large(frames: list[Any]):
 
 def on_send(socket: Any, path: str, frames: list[Any]) -> None:
     """Log one message's large frames as handed to ZMQ, and arrange to log their release."""
-    seq = _next(_sent, socket)
+    seq = _next(_sent, socket)  # every message counts: readers number them the same way
     kind = getattr(_current, "kind", "?")
-    port = _port(socket)
+    port: int | None = None  # read from the socket only for a message with a large frame
     for index, frame, address, nbytes in _large(frames):
+        port = _port(socket) if port is None else port
         key = {"pid": os.getpid(), "port": port, "seq": seq, "frame": index}
         _emit({"ev": "send", **key, "path": path, "kind": kind, "addr": address, "nbytes": nbytes,
                "crc": zlib.crc32(frame), "t": time.monotonic()})
@@ -112,8 +113,9 @@ def on_send(socket: Any, path: str, frames: list[Any]) -> None:
 def on_recv(socket: Any, frames: list[Any]) -> None:
     """Log the CRC-32 of each large out-of-band frame a reader received."""
     seq = _next(_received, socket)
-    port = _port(socket)
+    port: int | None = None
     for index, frame, _, nbytes in _large(frames):
+        port = _port(socket) if port is None else port
         _emit({"ev": "recv", "pid": os.getpid(), "port": port, "seq": seq, "frame": index, "nbytes": nbytes,
                "crc": zlib.crc32(frame)})
 
