@@ -7,7 +7,8 @@ import pytest
 from vllm_zerocopy_testbed.config import ConfigError, Executor, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
-from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, reference_specs
+from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
+from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_REGEXES, EmbedsSizes, reference_specs, structured_specs
 from vllm_zerocopy_testbed.workload.embeds import WIRE_BYTES_PER_ROW
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -55,3 +56,19 @@ def test_report_cell_shows_the_worst_outcome() -> None:
     records = [Record(key="k", suite="embeds", profile="v2/testbed", bound_s=9, latency_s=1.0)]
     table = report.table(records)
     assert "| embeds | FAIL 1 req p50 1.00 s p95 1.00 s |" in table
+
+
+def test_structured_specs_take_prompt_lengths_and_reject_bad_ones() -> None:
+    specs = structured_specs(8, prompt_tokens=(2, 5))
+    assert [len(s.prompt_ids) for s in specs] == [2, 3, 4, 5, 2, 3, 4, 5]
+    assert [s.regex for s in specs[:4]] == list(STRUCTURED_REGEXES)
+    assert len({s.key for s in specs}) == 8
+    for bad in ((0, 4), (5, 4)):
+        with pytest.raises(ValueError, match="prompt_tokens"):
+            structured_specs(4, prompt_tokens=bad)
+
+
+def test_a_link_rate_must_be_positive() -> None:
+    """``ComposeCluster.shape`` refuses a rate that would stop the link, before touching anything."""
+    with pytest.raises(ValueError, match="rate_mbit"):
+        ComposeCluster().shape("head", 0)

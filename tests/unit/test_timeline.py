@@ -162,3 +162,20 @@ def test_a_report_line_names_every_figure() -> None:
     found = [_event("send", 1.0), _event("release", 1.004), _event("write", 1.002)]
     line = checker.describe(checker.summarize(found)["sample_tokens"])
     assert line.startswith("sample_tokens: 1 out-of-band frames") and "1 written while held" in line
+
+
+def test_a_scheduled_batch_is_logged_and_left_out_of_the_figures(lines) -> None:
+    """``schedule`` events (one per batch the scheduler formed) say when fills follow sends; they
+    carry no memory, so the figures ignore them."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    output = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                             num_scheduled_tokens={"a": 1, "b": 4}, total_num_scheduled_tokens=5,
+                             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                             num_common_prefix_blocks=[], finished_req_ids=set(), free_encoder_mm_hashes=[])
+    timeline.on_schedule(output)
+    timeline.on_write("grammar_bitmask", bytearray(2 * MiB), time.monotonic(), rows=3)
+    found = checker.events("\n".join(lines))
+    assert [(e["ev"], e.get("tokens"), e.get("reqs"), e.get("rows")) for e in found] == [
+        ("schedule", 5, 2, None), ("write", None, None, 3)]
+    assert _summary(lines) == {}

@@ -232,6 +232,34 @@ class ComposeCluster(Cluster):
         """SIGCONT ``pid`` in ``service``'s container (after ``stop_cycle``'s bound, a no-op)."""
         self._run(["docker", "exec", self._container(service), "kill", "-CONT", str(pid)], timeout=30, check=False)
 
+    def _in_netns(self, service: str, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a host command (``tc``) inside ``service``'s network namespace: only our own
+        container's interface is touched, and the container needs no capability for it."""
+        pid = self._run(["docker", "inspect", "-f", "{{.State.Pid}}", self._container(service)], timeout=30).stdout
+        if not pid.strip().isdigit() or int(pid) <= 0:
+            raise LookupError(f"service {service!r} has no running process to enter (pid {pid.strip()!r})")
+        return self._run(["nsenter", f"--net=/proc/{pid.strip()}/ns/net", *command], timeout=30, check=check)
+
+    def shape(self, service: str, rate_mbit: float) -> None:
+        """Limit what ``service`` sends on our network to ``rate_mbit`` Mbit/s: a slow link between hosts.
+
+        A token bucket (``tbf``) on the container's ``eth0``; queued bytes wait rather than drop
+        (10 s of queue). This kernel has no ``netem``; a rate is what makes one transfer outlast
+        a step when the steps are a CPU's (docs/design.md). ``unshape`` removes it, and it goes
+        with the container at ``down``.
+        """
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit must be > 0, got {rate_mbit}")
+        self._in_netns(service, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit",
+                       "burst", "64kb", "latency", "10s")
+
+    def unshape(self, service: str) -> None:
+        """Remove ``shape``'s limit (a no-op where none is set or the container is gone)."""
+        try:
+            self._in_netns(service, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        except LookupError:
+            pass
+
     def state(self, service: str) -> str:
         """Return the service container's state (running, paused, restarting, exited, missing)."""
         infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == service]

@@ -12,6 +12,8 @@ taken on the engine's monotonic clock:
 * ``write``: the engine starts writing into that memory again: the structured-output
   manager filling its persistent grammar bitmask (hooked here), or a later send handing
   over the same memory with another CRC (then it was written at the latest by that send).
+* ``schedule``: the scheduler formed a batch (tokens, requests), so that a write can be
+  told apart as the next batch of a pipeline or the next step of the same requests.
 
 Readers log the CRC-32 of every out-of-band frame they receive (``recv``), keyed like the
 writer's by the socket's port and the message's sequence number on that socket, so bytes
@@ -120,10 +122,18 @@ def on_recv(socket: Any, frames: list[Any]) -> None:
                "crc": zlib.crc32(frame)})
 
 
-def on_write(kind: str, buffer: Any, started: float) -> None:
-    """Log that the engine started writing ``buffer`` (a persistent one) at ``started``."""
+def on_write(kind: str, buffer: Any, started: float, rows: int | None = None) -> None:
+    """Log that the engine started writing ``buffer`` (a persistent one) at ``started``
+    (``rows``: how many of its rows this fill wrote, where that is known)."""
     address, nbytes = _address(buffer)
-    _emit({"ev": "write", "pid": os.getpid(), "kind": kind, "addr": address, "nbytes": nbytes, "t": started})
+    _emit({"ev": "write", "pid": os.getpid(), "kind": kind, "addr": address, "nbytes": nbytes, "rows": rows,
+           "t": started})
+
+
+def on_schedule(output: Any) -> None:
+    """Log one scheduled batch: tokens, requests, how many finish a prefill or decode (they sample)."""
+    _emit({"ev": "schedule", "pid": os.getpid(), "tokens": output.total_num_scheduled_tokens,
+           "reqs": len(output.num_scheduled_tokens), "t": time.monotonic()})
 
 
 def _label_enqueue(installed: Callable[..., None]) -> Callable[..., None]:
@@ -157,6 +167,7 @@ def install_writer(log: logging.Logger) -> None:
     if "writer" in _installed:
         return
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     MessageQueue.enqueue = _label_enqueue(MessageQueue.enqueue)  # type: ignore[method-assign]
@@ -168,10 +179,19 @@ def install_writer(log: logging.Logger) -> None:
         result = fill(self, *args, **kwargs)
         persistent = getattr(self, "_grammar_bitmask", None)
         if result is not None and persistent is not None:
-            on_write("grammar_bitmask", persistent.numpy(), started)
+            on_write("grammar_bitmask", persistent.numpy(), started, rows=len(result))
         return result
 
     StructuredOutputManager.grammar_bitmask = grammar_bitmask  # type: ignore[method-assign]
+    schedule: Callable[..., Any] = Scheduler.schedule
+
+    @functools.wraps(schedule)
+    def traced_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = schedule(self, *args, **kwargs)
+        on_schedule(output)
+        return output
+
+    Scheduler.schedule = traced_schedule  # type: ignore[method-assign]
     _installed.add("writer")
 
 

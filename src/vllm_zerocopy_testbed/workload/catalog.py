@@ -96,9 +96,13 @@ def concurrent_specs(count: int) -> list[CompletionSpec]:
 STRUCTURED_REGEXES = ("[0-9]{12}", "(red|green|blue)( (red|green|blue)){3}", "[n-z]{12}", "(yes|no)( (yes|no)){5}")
 
 
-def structured_specs(count: int, max_tokens: int = 32) -> list[CompletionSpec]:
-    """``count`` distinct regex-constrained requests, the grammars taking turns."""
-    return [CompletionSpec(f"structured/{i}", prompt_ids=tuple(token_ids(6 + i % 5, seed=400 + i)),
+def structured_specs(count: int, max_tokens: int = 32, prompt_tokens: tuple[int, int] = (6, 10)) -> list[CompletionSpec]:
+    """``count`` distinct regex-constrained requests, the grammars taking turns, prompts of
+    ``prompt_tokens`` (first to last, inclusive) tokens."""
+    low, high = prompt_tokens
+    if not 0 < low <= high:
+        raise ValueError(f"prompt_tokens must be 0 < low <= high, got {prompt_tokens}")
+    return [CompletionSpec(f"structured/{i}", prompt_ids=tuple(token_ids(low + i % (high - low + 1), seed=400 + i)),
                            max_tokens=max_tokens, regex=STRUCTURED_REGEXES[i % len(STRUCTURED_REGEXES)])
             for i in range(count)]
 
