@@ -82,3 +82,23 @@ def send(base_url: str, case: BadRequest, timeout: float) -> BadAnswer:
     except ValueError:
         message = response.text[:200]
     return BadAnswer(case.name, case.what, response.status_code, str(message)[:300], time.monotonic() - start)
+
+
+def problems(answer: BadAnswer, *, healthy: bool) -> list[str]:
+    """What is wrong with how the server took a bad request: not a 4xx with a message, or unhealthy after."""
+    found = []
+    if answer.status is None or not 400 <= answer.status < 500:
+        found.append(f"{answer.what}: HTTP {answer.status}, want 4xx: {answer.message}")
+    elif not answer.message.strip():
+        found.append(f"{answer.what}: HTTP {answer.status} without a message")
+    if not healthy:
+        found.append(f"{answer.what}: /health fails after it")
+    return found
+
+
+def is_known_finding(answer: BadAnswer, found: list[str], *, accepted_status: int = 200) -> bool:
+    """Whether a case's failure is exactly a known finding "vLLM accepts it with HTTP ``accepted_status``":
+    that status, and no other problem (the server healthy, later answers unchanged). A 5xx, a
+    dead server, changed answers or a 4xx are not it."""
+    return answer.status == accepted_status and found == [
+        f"{answer.what}: HTTP {answer.status}, want 4xx: {answer.message}"]
