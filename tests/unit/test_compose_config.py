@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -80,3 +81,26 @@ def test_small_tcp_buffers_only_when_asked() -> None:
     for name in ("head", "worker"):
         assert services[name]["sysctls"] == {"net.ipv4.tcp_rmem": "4096 65536 65536",
                                              "net.ipv4.tcp_wmem": "4096 65536 65536"}, name
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def test_plain_docker_compose_renders_the_gpu_profile_as_the_testbed_does() -> None:
+    """Users on their own GPU hosts run `docker compose -f compose.yaml -f compose.gpu.yaml` without
+    the testbed's settings: the GPU file's inline defaults are gpu.env's, and it renders the same."""
+    gpu_env = _dotenv(COMPOSE_DIR / "gpu.env")
+    inline = dict(re.findall(r"\$\{(\w+):-([^}]*)\}", (COMPOSE_DIR / "compose.gpu.yaml").read_text()))
+    assert not re.findall(r"\$\{\w+\}", (COMPOSE_DIR / "compose.gpu.yaml").read_text()), "a variable without a default"
+    assert inline and all(gpu_env[k] == v for k, v in inline.items()), (inline, gpu_env)
+    compose = Path(sys.executable).with_name("docker-compose")
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(("TESTBED_", "NCCL_", "COMPOSE_"))}
+    out = subprocess.run([str(compose), "-f", str(COMPOSE_DIR / "compose.yaml"), "-f", str(COMPOSE_DIR / "compose.gpu.yaml"),
+                          "config", "--format", "json"], env=bare, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plain, ours = json.loads(out.stdout)["services"], _rendered("gpu")["services"]
+    for name in ("head", "worker"):
+        assert plain[name]["deploy"] == ours[name]["deploy"], name
+        assert plain[name]["shm_size"] == ours[name]["shm_size"] and plain[name]["image"] == ours[name]["image"], name
