@@ -11,6 +11,7 @@ its own two local Ray nodes (loopback), bounded.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
-from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.config import DETACH_ENV, PatchMode
 from vllm_zerocopy_testbed.harness import cgraph_deadlock
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
@@ -26,11 +27,11 @@ pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
 GET_TIMEOUT_S = 10
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     shm = ShmSnapshot.take()
     try:
         return subprocess.run([sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args],
-                              capture_output=True, text=True, timeout=180)
+                              capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
     finally:
         # The script ends with os._exit (a deadlocked graph does not tear down); its Ray
         # processes share its fate but leave their channel semaphores in /dev/shm.
@@ -39,9 +40,12 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_compiled_graph_never_deadlocks_the_driver_node(detach_mode, expect) -> None:
+    """As many executions in flight as vLLM's engine keeps in this mode: read from a real
+    ``VllmConfig`` with the plugins loaded as in the engine (``patches/inflight.py`` under ``testbed``)."""
     expect("cgraph_no_deadlock", detach_mode)
-    # vLLM's schedule in each mode: PP=2 executions in flight, or (testbed, patches/inflight.py) one.
-    proc = _run("--inflight", "1" if detach_mode is PatchMode.TESTBED else "2")
+    proc = _run("--inflight", "vllm", env={DETACH_ENV: detach_mode.value})
+    want = 1 if detach_mode is PatchMode.TESTBED else 2
+    assert f"in flight: {want} " in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
     assert proc.returncode == 0 and "PASS" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
 
 

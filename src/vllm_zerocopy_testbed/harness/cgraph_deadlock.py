@@ -20,6 +20,12 @@ the driver does only after reading rank 1's output of N, whose push waits
 behind the blocked one. A circular wait: the get times out
 (``RayChannelTimeoutError``) and nothing ever moves again.
 
+``--inflight vllm``: as many executions in flight as vLLM's engine would keep for a
+compiled-graph PP=2 x TP=2 cluster in this process's modes: vLLM's general plugins are
+loaded as in an engine-core process (the testbed's caps it at one with
+``TESTBED_DETACH=testbed``, ``patches/inflight.py``), then ``max_concurrent_batches``
+is read from a ``VllmConfig`` of that shape. Needs vLLM; the rest does not.
+
 ``--inband``: the actors return arrays that pickle in band (one copy into the
 pickle stream, rebuilt as an ordinary writable array): nothing keeps the
 channel buffer acquired after deserialization, and the same schedule passes.
@@ -102,14 +108,39 @@ def run(*, inband: bool, inflight: int = 2, steps: int = 6, slow_s: float = 1.0,
     return True, f"{steps + inflight - 1} executions answered"
 
 
+def vllm_inflight(pp: int = 2, tp: int = 2) -> int:
+    """Return the executions vLLM's engine keeps in flight on a compiled-graph PP x TP Ray cluster,
+    with the general plugins loaded as vLLM loads them in its engine-core process."""
+    import multiprocessing
+    import os
+
+    os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"  # the compiled-graph executor
+    multiprocessing.current_process().name = "EngineCore_DP0"  # the role plugins act on
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    config = VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                                       distributed_executor_backend="ray"))
+    return config.max_concurrent_batches
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inband", action="store_true", help="return arrays that pickle in band")
-    parser.add_argument("--inflight", type=int, default=2, help="executions in flight (vLLM: PP size)")
+    parser.add_argument("--inflight", default="2",
+                        help="executions in flight (vLLM: PP size), or `vllm`: what vLLM's engine would keep")
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--address", default=None, help="an existing 2-node cluster (resources driver_node, rank_node)")
     args = parser.parse_args(argv)
-    ok, what = run(inband=args.inband, inflight=args.inflight, timeout_s=args.timeout, address=args.address)
+    if args.inflight == "vllm":
+        inflight = vllm_inflight()
+        print(f"in flight: {inflight} (vLLM's max_concurrent_batches, compiled graph, PP=2 x TP=2)", flush=True)
+    elif args.inflight.isdigit() and int(args.inflight) >= 1:
+        inflight = int(args.inflight)
+    else:
+        parser.error(f"--inflight must be a positive integer or `vllm`, got {args.inflight!r}")
+    ok, what = run(inband=args.inband, inflight=inflight, timeout_s=args.timeout, address=args.address)
     print(("PASS: " if ok else "DEADLOCK: ") + what, flush=True)
     import os
 
