@@ -15,37 +15,9 @@ import pytest
 from packaging.version import Version
 
 from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, PatchMode
+from vllm_zerocopy_testbed.known import COMPONENT, judge_report
 
-OFF, UPSTREAM = PatchMode.OFF, PatchMode.UPSTREAM
-
-# property -> (env variable that selects its mode, {mode: why it fails})
-KNOWN_FAILURES: dict[str, tuple[str, dict[PatchMode, str]]] = {
-    "zero_copy": (BROADCAST_ENV, {OFF: "before PR 48442 torch's reducer copies tensors into the pickle stream"}),
-    "fp8_transport": (BROADCAST_ENV, {OFF: "torch's reducer cannot load back the fp8 tensors it pickles"}),
-    "race_free_tensor": (BROADCAST_ENV, {UPSTREAM: "upstream PR 53217 is open: ZMQ frames alias the live tensor"}),
-    "race_free_ndarray": (
-        BROADCAST_ENV,
-        {
-            UPSTREAM: "upstream PR 53217 is open: ZMQ frames alias the live array",
-            OFF: "numpy buffers >= 1 MiB have always gone to ZMQ with copy=False",
-        },
-    ),
-    "detach_logprobs": (DETACH_ENV, {OFF: "before PR 35736 channel-backed logprobs arrays are kept"}),
-    "cgraph_no_deadlock": (
-        DETACH_ENV,
-        {
-            OFF: "issue 5: two executions in flight (PP=2) and two output channels (TP=2) deadlock the raylet",
-            UPSTREAM: "issue 5: vLLM keeps PP executions in flight; the driver node's raylet deadlocks",
-        },
-    ),
-    "detach_sampling_mask": (
-        DETACH_ENV,
-        {
-            OFF: "before PR 35736 channel-backed arrays are kept",
-            UPSTREAM: "upstream's detach copies logprobs and aux rows only, not sampling_masks",
-        },
-    ),
-}
+UPSTREAM = PatchMode.UPSTREAM
 
 
 def _installed_vllm() -> Version:
@@ -85,13 +57,24 @@ def expect(request: pytest.FixtureRequest):
     """``expect(property, mode)``: mark the test a strict xfail where ``mode`` is known to fail."""
 
     def _expect(prop: str, mode: PatchMode) -> None:
-        env, failures = KNOWN_FAILURES[prop]
-        if os.environ.get(env):
+        known = COMPONENT[prop]
+        if os.environ.get(known.env):
             return  # the run named its mode: the property must hold
-        reason = failures.get(mode)
+        reason = known.reasons.get(mode.value)
         if reason is None and mode is UPSTREAM:
-            reason = _upstream_lacks(prop)
+            reason = _upstream_lacks(prop)  # an old vLLM lacks the fix: any failure of it is expected
+        elif reason:
+            request.node.testbed_known = known.signature
         if reason:
             request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
     return _expect
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A known failure is expected only as itself: one that does not match its signature
+    (``known.py``) is turned back into a failure, with the reason in the report."""
+    outcome = yield
+    judge_report(outcome.get_result(), call.excinfo.value if call.excinfo else None,
+                 getattr(item, "testbed_known", None))

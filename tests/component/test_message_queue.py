@@ -57,7 +57,7 @@ def test_fp8_tensors_cross_the_queue(broadcast_mode, expect) -> None:
     }
     with MessageQueueHarness(TOPOLOGIES["local+remote"], broadcast_mode, timeout=20) as harness:
         reports = harness.broadcast(payload)
-    assert all(report == describe(payload) for report in reports.values())
+    assert all(report == describe(payload) for report in reports.values()), f"readers got {reports}"
 
 
 def test_tensors_above_the_limit_travel_out_of_band(broadcast_mode, expect) -> None:

@@ -47,7 +47,8 @@ def test_sampling_masks_are_detached(detach_mode, expect) -> None:
     out = _channel_output()
     detach.resolve(detach_mode)(out)
     assert type(out.sampling_masks).__name__ == "SamplingMaskLists"
-    assert not any(_read_only(out.sampling_masks.token_ids, out.sampling_masks.offsets))
+    assert not any(_read_only(out.sampling_masks.token_ids, out.sampling_masks.offsets)), \
+        "sampling masks still backed by the channel"
 
 
 def test_writable_arrays_are_left_alone() -> None:

@@ -35,6 +35,8 @@ _STOP = "__testbed_stop__"
 # Key of an ``ack_only`` report: ``time.perf_counter()`` in the reader once the message was
 # rebuilt; CLOCK_MONOTONIC, so comparable with the writer's on the same host.
 RECEIVED_AT = "received_at"
+# A reader that could not read a message reports why under this key, then exits.
+READ_ERROR = "read_error"
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,11 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
     while True:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            payload, frame_sizes = _receive(mq, timeout, wire_report)
+            try:
+                payload, frame_sizes = _receive(mq, timeout, wire_report)
+            except Exception as exc:  # say why, rather than die silently: the test's failure names it
+                results.put((rank, {READ_ERROR: f"{type(exc).__name__}: {exc}"}))
+                return
         if isinstance(payload, str) and payload == _STOP:
             return
         if frame_sizes is not None:
