@@ -115,7 +115,9 @@ def test_every_request_answers_within_its_bound(structured_cluster: LiveCluster,
     if rejected:
         verdict.fail(f"the engine logged {len(rejected)} time(s) `{rejected[0]} …`: a request was sampled with a "
                      "bitmask row that was not its own")
-    _expect_race(structured_cluster, verdict, (FAILED_SIGNATURE, GRAMMAR_REJECTED), strict=True)
+    # Not strict: whether a rewritten row ends a request depends on which rows ZMQ had not yet
+    # sent (measured: 43, 4 and 21 failed requests in three runs); the timeline check below is.
+    _expect_race(structured_cluster, verdict, (FAILED_SIGNATURE, GRAMMAR_REJECTED), strict=False)
     judge(structured_cluster, verdict)
 
 
@@ -134,7 +136,8 @@ def test_the_grammar_bitmask_is_never_rewritten_while_zmq_holds_it(structured_cl
     """The timeline: no frame written again before its release, no reader with other bytes.
 
     ``testbed`` holds ``enqueue`` until the release, so it must show none; ``upstream`` and
-    ``off`` must show the race (a strict known failure), red with modes named.
+    ``off`` must show the race (a strict known failure: 45 of 54 and 46 of 47 frames rewritten
+    while held in two runs), red with modes named.
     """
     logs = structured_cluster.backend.logs()
     for figures in timeline.summarize(timeline.events(logs)).values():
