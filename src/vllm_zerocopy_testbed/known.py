@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV
+
 # pytest.fail() raises _pytest.outcomes.Failed; matched by name, so this module needs no pytest.
 ASSERTION = ("AssertionError", "Failed")
 
@@ -50,12 +52,8 @@ class Known:
     signature: Signature
 
 
-def _b(reasons: dict[str, str], pattern: str, *exceptions: str) -> Known:
-    return Known("TESTBED_BROADCAST", reasons, Signature(pattern, exceptions or ASSERTION))
-
-
-def _d(reasons: dict[str, str], pattern: str, *exceptions: str) -> Known:
-    return Known("TESTBED_DETACH", reasons, Signature(pattern, exceptions or ASSERTION))
+def _known(env: str, reasons: dict[str, str], pattern: str) -> Known:
+    return Known(env, reasons, Signature(pattern))
 
 
 # An array still backed by a compiled-graph channel: read in place (unit), or the next read
@@ -65,24 +63,30 @@ _HELD = (r"still backed by the channel|ended with RayChannelTimeoutError after [
 
 # Unit and component tests: property -> its known failures (``expect(prop, mode)`` in a test).
 COMPONENT: dict[str, Known] = {
-    "zero_copy": _b({"off": "before PR 48442 torch's reducer copies tensors into the pickle stream"},
-                    r"no frame carries the tensor's bytes|the pickle stream still holds the tensor"),
-    "fp8_transport": _b({"off": "torch's reducer cannot load back the fp8 tensors it pickles"},
-                        r"read_error.*UntypedStorage' has no attribute 'dtype'"),
-    "race_free_tensor": _b({"upstream": "upstream PR 53217 is open: ZMQ frames alias the live tensor"},
-                           r"saw bytes written after enqueue"),
-    "race_free_ndarray": _b({"upstream": "upstream PR 53217 is open: ZMQ frames alias the live array",
-                             "off": "numpy buffers >= 1 MiB have always gone to ZMQ with copy=False"},
-                            r"saw bytes written after enqueue|got batch B's masks in batch A's sample_tokens"),
-    "detach_logprobs": _d({"off": "before PR 35736 channel-backed logprobs arrays are kept"}, _HELD),
-    "cgraph_no_deadlock": _d({"off": "issue 5: two executions in flight (PP=2) and two output channels (TP=2) "
-                                     "deadlock the raylet",
-                              "upstream": "issue 5: vLLM keeps PP executions in flight; the driver node's raylet "
-                                          "deadlocks"},
-                             r"DEADLOCK: .*RayChannelTimeoutError"),
-    "detach_sampling_mask": _d({"off": "before PR 35736 channel-backed arrays are kept",
-                                "upstream": "upstream's detach copies logprobs and aux rows only, not sampling_masks"},
-                               _HELD),
+    "zero_copy": _known(
+        BROADCAST_ENV, {"off": "before PR 48442 torch's reducer copies tensors into the pickle stream"},
+        r"no frame carries the tensor's bytes|the pickle stream still holds the tensor"),
+    "fp8_transport": _known(
+        BROADCAST_ENV, {"off": "torch's reducer cannot load back the fp8 tensors it pickles"},
+        r"read_error.*UntypedStorage' has no attribute 'dtype'"),
+    "race_free_tensor": _known(
+        BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live tensor"},
+        r"saw bytes written after enqueue"),
+    "race_free_ndarray": _known(
+        BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live array",
+                        "off": "numpy buffers >= 1 MiB have always gone to ZMQ with copy=False"},
+        r"saw bytes written after enqueue|got batch B's masks in batch A's sample_tokens"),
+    "detach_logprobs": _known(
+        DETACH_ENV, {"off": "before PR 35736 channel-backed logprobs arrays are kept"}, _HELD),
+    "cgraph_no_deadlock": _known(
+        DETACH_ENV, {"off": "issue 5: two executions in flight (PP=2) and two output channels (TP=2) deadlock "
+                            "the raylet",
+                     "upstream": "issue 5: vLLM keeps PP executions in flight; the driver node's raylet deadlocks"},
+        r"DEADLOCK: .*RayChannelTimeoutError"),
+    "detach_sampling_mask": _known(
+        DETACH_ENV, {"off": "before PR 35736 channel-backed arrays are kept",
+                     "upstream": "upstream's detach copies logprobs and aux rows only, not sampling_masks"},
+        _HELD),
 }
 
 

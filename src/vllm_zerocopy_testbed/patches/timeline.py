@@ -131,7 +131,7 @@ def on_write(kind: str, buffer: Any, started: float, rows: int | None = None) ->
 
 
 def on_schedule(output: Any) -> None:
-    """Log one scheduled batch: tokens, requests, how many finish a prefill or decode (they sample)."""
+    """Log one batch the scheduler formed: its tokens and requests (an empty one included)."""
     _emit({"ev": "schedule", "pid": os.getpid(), "tokens": output.total_num_scheduled_tokens,
            "reqs": len(output.num_scheduled_tokens), "t": time.monotonic()})
 

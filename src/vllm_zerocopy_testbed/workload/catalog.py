@@ -96,7 +96,8 @@ def concurrent_specs(count: int) -> list[CompletionSpec]:
 STRUCTURED_REGEXES = ("[0-9]{12}", "(red|green|blue)( (red|green|blue)){3}", "[n-z]{12}", "(yes|no)( (yes|no)){5}")
 
 
-def structured_specs(count: int, max_tokens: int = 32, prompt_tokens: tuple[int, int] = (6, 10)) -> list[CompletionSpec]:
+def structured_specs(count: int, max_tokens: int = 32,
+                     prompt_tokens: tuple[int, int] = (6, 10)) -> list[CompletionSpec]:
     """``count`` distinct regex-constrained requests, the grammars taking turns, prompts of
     ``prompt_tokens`` (first to last, inclusive) tokens."""
     low, high = prompt_tokens
