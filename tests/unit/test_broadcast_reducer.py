@@ -96,3 +96,33 @@ def test_off_policy_keeps_tensors_in_the_stream() -> None:
     big = torch.ones(OOB_MIN_BYTES // 4 * 2)
     frames = serialize({"big": big}, zero_copy_tensors=False)
     assert len(frames) == 1 and len(frames[0]) > big.numel() * 4
+
+
+def _upstream_rebuild():
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    return shm_broadcast._rebuild_tensor
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rebuild", [_upstream_rebuild, lambda: rebuild_tensor], ids=["upstream", "testbed"])
+def test_a_tensor_rebuilt_from_a_received_zmq_frame_aliases_it(rebuild) -> None:
+    """Remote readers get frames that own their message: the rebuilt tensor must be a view of it
+    (zero copy at the reader), not a copy, and writable."""
+    import zmq
+
+    data = np.arange(OOB_MIN_BYTES // 4, dtype=np.float32)
+    ctx = zmq.Context()
+    try:
+        send, recv = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        send.bind("inproc://testbed-frame")
+        recv.connect("inproc://testbed-frame")
+        send.send(data, copy=False)
+        assert recv.poll(5000), "no frame within 5 s"
+        frame = recv.recv(copy=False)
+        tensor = rebuild()(frame, (data.size,), "float32")
+        assert tensor.data_ptr() == np.frombuffer(frame, np.uint8).ctypes.data, "the frame was copied"
+        tensor[0] = 42.0
+        assert torch.equal(tensor[1:], torch.from_numpy(data[1:]))
+    finally:
+        ctx.destroy(linger=0)  # closes both sockets, also when an assertion failed

@@ -7,9 +7,9 @@ upstream PR 53217, made deterministic.
 
 from __future__ import annotations
 
-import pytest
-
 import time
+
+import pytest
 
 from vllm_zerocopy_testbed.patches.broadcast import (OOB_MIN_BYTES, SendNotReleased, _send, _wait_sent,
                                                      release_deadline)
@@ -76,6 +76,7 @@ def test_a_released_buffer_passes_a_deadline_already_past(pair) -> None:
     _wait_sent([("the peer", releases)], release_deadline(0, time.monotonic()))
 
 
+@pytest.mark.timeout(30)  # the bound under test is 1 s: a wait without it fails here, not after 300 s
 def test_a_stuck_reader_ends_the_wait_at_the_step_timeout_with_a_named_error(pair, monkeypatch) -> None:
     """``timeout=None`` (what vLLM's executors pass) waits VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, not forever;
     the error names the readers, and is no ``TimeoutError`` (the message was sent: no retry)."""

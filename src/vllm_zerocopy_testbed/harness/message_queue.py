@@ -32,6 +32,8 @@ from vllm_zerocopy_testbed.patches import broadcast
 logger = logging.getLogger(__name__)
 
 _STOP = "__testbed_stop__"
+# Readers that ``keep`` their messages answer this with a fresh report of everything they kept.
+_RECHECK = "__testbed_recheck__"
 # Key of an ``ack_only`` report: ``time.perf_counter()`` in the reader once the message was
 # rebuilt; CLOCK_MONOTONIC, so comparable with the writer's on the same host.
 RECEIVED_AT = "received_at"
@@ -128,13 +130,14 @@ def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int]
 
 
 def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
-                 ack_only: bool = False, cpus: frozenset[int] | None = None) -> None:
+                 ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False) -> None:
     if cpus:  # before any thread starts: ZMQ's I/O threads inherit it
         os.sched_setaffinity(0, cpus)
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready()
+    kept: list[dict[str, Any]] = []  # as a scheduler keeps what it received
     while True:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -145,6 +148,12 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
                 return
         if isinstance(payload, str) and payload == _STOP:
             return
+        if isinstance(payload, str) and payload == _RECHECK:
+            results.put((rank, {f"{i}/{name}": describe_item(value)
+                                for i, message in enumerate(kept) for name, value in message.items()}))
+            continue
+        if keep:
+            kept.append(payload)
         if frame_sizes is not None:
             results.put((rank, {"frames": frame_sizes}))
             continue
@@ -172,12 +181,14 @@ class MessageQueueHarness:
         wire_report: bool = False,
         ack_only: bool = False,
         remote_reader_cpus: frozenset[int] | None = None,
+        keep: bool = False,
     ) -> None:
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
         self.ack_only = ack_only
         self.remote_reader_cpus = remote_reader_cpus
+        self.keep = keep
         self.topology = topology
         self.mode = mode
         self.timeout = timeout
@@ -204,7 +215,8 @@ class MessageQueueHarness:
                 cpus = self.remote_reader_cpus if rank > topo.local_readers else None
                 proc = self._ctx.Process(
                     target=_reader_main,
-                    args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only, cpus),
+                    args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only, cpus,
+                          self.keep),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )
@@ -235,10 +247,11 @@ class MessageQueueHarness:
     def send(self, payload: dict[str, Any]) -> None:
         self.writer.enqueue(payload, timeout=self.timeout)
 
-    def collect(self) -> dict[int, dict[str, Any]]:
+    def collect(self, within: float | None = None) -> dict[int, dict[str, Any]]:
         """Return each reader's report of the next message (``ack_only``: ``{RECEIVED_AT: t}``);
-        raise if one is late or dead."""
-        deadline = time.monotonic() + self.timeout
+        raise if one is late (``within`` seconds, default the harness timeout) or dead."""
+        within = self.timeout if within is None else within
+        deadline = time.monotonic() + within
         reports: dict[int, dict[str, Any]] = {}
         while len(reports) < self.topology.readers:
             try:
@@ -248,7 +261,7 @@ class MessageQueueHarness:
                 if dead or time.monotonic() > deadline:
                     raise TimeoutError(
                         f"readers answered {sorted(reports)} of {self.topology.readers} "
-                        f"within {self.timeout} s; dead: {dead or 'none'}"
+                        f"within {within} s; dead: {dead or 'none'}"
                     ) from None
                 continue
             reports[rank] = report
@@ -256,6 +269,13 @@ class MessageQueueHarness:
 
     def broadcast(self, payload: dict[str, Any]) -> dict[int, dict[str, ItemReport]]:
         self.send(payload)
+        return self.collect()
+
+    def recheck(self) -> dict[int, dict[str, ItemReport]]:
+        """Return each ``keep`` reader's report, now, of every message it kept (``"<index>/<name>"``)."""
+        if not self.keep:
+            raise ValueError("recheck reports what readers kept: create the harness with keep=True")
+        self.send(_RECHECK)
         return self.collect()
 
     def _stop_readers(self) -> None:

@@ -1,0 +1,79 @@
+"""vLLM's MessageQueue ring protocol: slots reused many times over, the overflow boundary, bounded reads.
+
+The ring has ``max_chunks`` slots (10); each slot is written again once every reader
+marked it read. These tests send several laps of messages, size messages byte by byte
+around the chunk size (where a message stops fitting and must overflow to ZMQ), and read
+with nothing sent, in every broadcast mode (the reader side is vLLM's code in each).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_zerocopy_testbed.harness.message_queue import READ_ERROR, MessageQueueHarness, QueueTopology, describe
+
+pytestmark = [pytest.mark.component, pytest.mark.timeout(180)]
+
+MiB = 1 << 20
+LAPS = 3
+MAX_CHUNKS = 10  # MessageQueue's default
+
+
+def _message(index: int) -> dict:
+    gen = torch.Generator().manual_seed(index)
+    return {"array": np.random.default_rng(index).standard_normal(3 * MiB // 8 + index).astype(np.float32),
+            "tensor": torch.randn(MiB // 4 + index, generator=gen)}
+
+
+def test_what_readers_keep_survives_the_reuse_of_its_ring_slot(broadcast_mode) -> None:
+    """Readers keep every message (arrays and tensors of 1.5 and 1 MiB, out of band) while the
+    writer goes round the ring three times; what they kept must still be what was sent."""
+    topology = QueueTopology(local_readers=2, max_chunk_bytes=4 * MiB)
+    sent = [_message(i) for i in range(LAPS * MAX_CHUNKS)]
+    with MessageQueueHarness(topology, broadcast_mode, timeout=20, keep=True) as harness:
+        for index, payload in enumerate(sent):
+            reports = harness.broadcast(payload)
+            for rank, report in reports.items():
+                assert READ_ERROR not in report, f"reader {rank}, message {index}: {report[READ_ERROR]}"
+                assert report == describe(payload), f"reader {rank} got different bytes in message {index}"
+        kept = harness.recheck()
+    expected = {f"{i}/{name}": item.digest for i, p in enumerate(sent) for name, item in describe(p).items()}
+    for rank, report in kept.items():
+        changed = sorted(key for key, item in report.items() if item.digest != expected[key])
+        assert not changed, f"reader {rank}: kept items changed after their ring slot was reused: {changed[:6]}"
+
+
+def _blob_of_stream_size(size: int) -> dict:
+    """A message whose pickle stream is exactly ``size`` bytes, all in band (``bytes`` never leave it)."""
+    overhead = len(pickle.dumps({"blob": bytes(size)}, protocol=pickle.HIGHEST_PROTOCOL)) - size
+    payload = {"blob": np.random.default_rng(size).bytes(size - overhead)}
+    assert len(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)) == size
+    return payload
+
+
+def test_messages_around_the_chunk_size_fit_the_ring_or_overflow(broadcast_mode) -> None:
+    """Every stream size from 40 bytes under the chunk size to 8 over it: a slot holds 3 header
+    bytes, 4 length bytes and the stream; one byte more must overflow to the socket instead."""
+    topology = QueueTopology(local_readers=1, max_chunk_bytes=MiB)
+    with MessageQueueHarness(topology, broadcast_mode, timeout=20) as harness:
+        for size in range(MiB - 40, MiB + 8):
+            payload = _blob_of_stream_size(size)
+            try:
+                reports = harness.broadcast(payload)
+            except (ValueError, IndexError) as exc:
+                pytest.fail(f"a {size}-byte stream (chunk {MiB}) broke enqueue: {type(exc).__name__}: {exc}")
+            assert reports[1] == describe(payload), f"a {size}-byte stream (chunk {MiB}) arrived different"
+
+
+@pytest.mark.parametrize("topology", [QueueTopology(local_readers=1), QueueTopology(local_readers=0,
+                                                                                    remote_readers=1)],
+                         ids=["ring", "remote-tcp"])
+def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, broadcast_mode) -> None:
+    """``dequeue(timeout=2)`` with no message raises TimeoutError: every wait has its bound."""
+    with MessageQueueHarness(topology, broadcast_mode, timeout=2) as harness:
+        report = harness.collect(within=30)[1]
+    assert report.get(READ_ERROR, "").startswith("TimeoutError"), f"the reader reported {report}"
