@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
-
 import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.warmup import is_healthy
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, Executor, PatchMode, Profile, e2e_profiles
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, Profile, e2e_profiles
 from vllm_zerocopy_testbed.report import RunReport
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record
@@ -41,18 +39,6 @@ REPORT = RunReport(profiles=[str(p) for p in PROFILES])
 STARTED_BY_RUN: set[str] = set()
 # One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
-
-# property -> (profile -> why it is known to fail there, or None)
-KNOWN_FAILURES: dict[str, Callable[[Profile], str | None]] = {
-    "zero_copy": lambda p: "before PR 48442 torch's reducer copies the tensor into the pickle stream"
-    if p.broadcast is PatchMode.OFF else None,
-    "cgraph_logprobs": lambda p: "issue 5: on the compiled-graph executor the first logprobs request deadlocks "
-    "the driver node's raylet (zero-copy outputs, two executions in flight, one output channel per TP rank) "
-    "until RAY_CGRAPH_get_timeout, and the engine dies; fixed by the testbed's one execution in flight "
-    "(patches/inflight.py, detach=testbed)"
-    if p.executor is Executor.CGRAPH and p.detach is not PatchMode.TESTBED else None,
-}
-
 
 @dataclass
 class Reference:
@@ -94,7 +80,10 @@ class LiveCluster:
             records = runner.run(suite, specs, concurrency=concurrency)
         if any(not r.ok for r in records) and not self.healthy():
             first = next(r for r in records if not r.ok)
-            self.dead = f"the engine died in suite {suite!r} ({first.key}: {first.error})"
+            # The cause goes with the death: later tests fail quoting it, and a known failure
+            # (known.E2E) matches them only if that cause is the one it names.
+            self.dead = (f"the engine died in suite {suite!r} ({first.key}: {first.error}); "
+                         f"server log: {self.evidence(5)}")
         return records
 
     def run_staggered(self, suite: str, specs: list[CompletionSpec], *, clients: int,

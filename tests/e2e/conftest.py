@@ -19,8 +19,9 @@ from vllm_zerocopy_testbed.checker.bitexact import first_answers
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
+from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
-from vllm_zerocopy_testbed.suite import (FAULTS, HISTORY, KNOWN_FAILURES, MODES_CHOSEN, PROFILES, REPORT,
+from vllm_zerocopy_testbed.suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
                                          REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
                                          Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
@@ -59,14 +60,18 @@ def _mark_known_failures(item: pytest.Item) -> None:
 
     Marked at collection, so that a workload fixture failing in set-up counts too.
     With modes chosen (``MODES=off``) nothing is expected: known failures are red.
+    Expected only as itself: a failure that does not match the property's signature
+    (``known.E2E``) is red (``tests/conftest.py`` judges the report).
     """
     callspec = getattr(item, "callspec", None)
     profile = callspec.params.get("profile") if callspec else None
     if profile is None or MODES_CHOSEN:
         return
     for marker in item.iter_markers("known"):
-        reason = KNOWN_FAILURES[marker.args[0]](profile)
+        known = E2E[marker.args[0]]
+        reason = known.reason_on(profile)
         if reason:
+            item.testbed_known = known.signature
             # Only a failed check counts as the known failure; a cluster or reference that
             # cannot start (ClusterStartError and the like) stays an error.
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True,

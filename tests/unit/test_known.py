@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.known import COMPONENT, Signature
+from vllm_zerocopy_testbed.known import COMPONENT, E2E, Signature
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +96,63 @@ def test_pytest_reports_a_mismatched_known_failure_as_failed(tmp_path) -> None:
     assert "FAILED test_inner.py::test_a_reader_lost" in out and "does not match" in out, out
     assert "FAILED test_inner.py::test_a_timeout" in out and "raised TimeoutError" in out, out
     assert "FAILED test_inner.py::test_fixed" in out and "XPASS(strict)" in out, out
+
+
+# -- the e2e table (known.E2E), on the failure texts the e2e judge writes ---------------------
+CHANNEL_TIMEOUT = (
+    "timeouts: 1 problem(s)\n  logprobs/k1: 500 after 64.8 s: InternalServerError: Error code: 500\n"
+    "--- server and node logs (cgraph/upstream) ---\n"
+    "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting for object available "
+    "to read. ObjectID: 00ffffffffffffff\nhead-1 | ERROR EngineDeadError: EngineCore encountered an issue.")
+DIED_OF_TIMEOUT = ("not run: the engine died in suite 'logprobs' (logprobs/k1: InternalServerError); server log: "
+                   "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting")
+DIED_OF_SOMETHING_ELSE = ("not run: the engine died in suite 'logprobs' (logprobs/k1: InternalServerError); "
+                          "server log: head-1 | ERROR EngineDeadError\nhead-1 | RuntimeError: shape mismatch")
+WRONG_TOKENS = "tokens = reference: 1 problem(s)\n  logprobs/k5: choice 0: token 3 is 17, the reference says 40"
+
+
+def _profile(executor: str, broadcast: str, detach: str):
+    from vllm_zerocopy_testbed.config import Executor, PatchMode, Profile
+
+    return Profile(Executor(executor), PatchMode(broadcast), PatchMode(detach))
+
+
+@pytest.mark.parametrize("profile, expected", [
+    (("cgraph", "upstream", "upstream"), True), (("cgraph", "off", "off"), True),
+    (("cgraph", "testbed", "testbed"), False), (("cgraph", "upstream", "testbed"), False),
+    (("v2", "upstream", "upstream"), False), (("v2", "off", "off"), False)])
+def test_the_cgraph_logprobs_failure_is_known_on_compiled_graphs_without_the_testbed_fix(profile, expected) -> None:
+    assert (E2E["cgraph_logprobs"].reason_on(_profile(*profile)) is not None) is expected
+
+
+def test_zero_copy_is_known_to_fail_only_with_the_broadcast_fix_off() -> None:
+    known = E2E["zero_copy"]
+    assert known.reason_on(_profile("v2", "off", "off")) and known.reason_on(_profile("v2", "off", "testbed"))
+    assert known.reason_on(_profile("v2", "upstream", "off")) is None
+
+
+@pytest.mark.parametrize("text", [CHANNEL_TIMEOUT, DIED_OF_TIMEOUT], ids=["the-timeout", "died-of-it"])
+def test_the_channel_timeout_and_a_death_it_caused_match_the_cgraph_known_failure(text) -> None:
+    with pytest.raises(pytest.fail.Exception) as info:
+        pytest.fail(text, pytrace=False)
+    assert E2E["cgraph_logprobs"].signature.mismatch(info.value, "") is None
+
+
+@pytest.mark.parametrize("text", [WRONG_TOKENS, DIED_OF_SOMETHING_ELSE], ids=["wrong-tokens", "other-death"])
+def test_a_bit_exact_regression_or_another_death_on_cgraph_upstream_is_red(text) -> None:
+    """Deliberately different failures of a known-failing test: they must not pass as issue 5."""
+    with pytest.raises(pytest.fail.Exception) as info:
+        pytest.fail(text, pytrace=False)
+    why = E2E["cgraph_logprobs"].signature.mismatch(info.value, "")
+    assert why and "does not match" in why
+
+
+def test_the_zero_copy_signature_is_the_transport_checkers_words() -> None:
+    from vllm_zerocopy_testbed.checker import transport
+
+    from vllm_zerocopy_testbed.patches.wiretap import WIRE_PREFIX
+
+    in_band = transport.check_out_of_band(f"{WIRE_PREFIX} path=remote frames=2100000", 2097152, path="remote")
+    assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(in_band))), "") is None
+    nothing_sent = transport.check_out_of_band("", 2097152, path="remote")  # the wire tap is gone: another failure
+    assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(nothing_sent))), "")
