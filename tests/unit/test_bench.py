@@ -46,3 +46,27 @@ def test_broadcast_table_gives_ratios_to_memcpy_and_paired_ratio_to_upstream() -
     table = broadcast_table(figures)
     assert "| remote-1 | 16 MiB | upstream | 6.00 | 2% | 0.10 | 2.000 | 3.0 | 1.00 |" in table
     assert "| remote-1 | 16 MiB | testbed | 6.60 | 2% | 0.10 | 2.000 | 3.3 | 1.08 (12% ⚠) |" in table
+
+
+def test_detach_table_gives_the_paired_ratio_to_upstream() -> None:
+    from vllm_zerocopy_testbed.bench.detach import DetachFigure
+    from vllm_zerocopy_testbed.bench.report import detach_table
+
+    table = detach_table([DetachFigure("aux_rows", "upstream", 2048, Sample(0.8, 0.01, 400), 1.0, 0.0),
+                          DetachFigure("aux_rows", "testbed", 2048, Sample(0.7, 0.02, 400), 0.87, 0.07)])
+    assert "| aux_rows | upstream | 0.8000 | 1% | - |" in table
+    assert "| aux_rows | testbed | 0.7000 | 2% | 0.87 (7% ⚠) |" in table
+
+
+def test_the_detach_bench_outputs_are_channel_like_and_fresh() -> None:
+    """Each timed output has read-only arrays (as Ray hands them) of its own: a detach cannot reuse work."""
+    from vllm_zerocopy_testbed.bench.detach import SHAPES, _Outputs
+
+    for shape in SHAPES:
+        outputs = _Outputs(shape, 8)
+        a, b = outputs.fresh(), outputs.fresh()
+        assert not any(x.flags.writeable for x in a.logprobs[:3]), shape
+        assert a.logprobs[0] is not b.logprobs[0], shape
+        if shape == "aux_rows":
+            rows = [o.rows for o in a.aux_output_connector_output.values()]
+            assert len(rows) == 8 and not any(r.flags.writeable for r in rows)

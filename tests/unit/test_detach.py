@@ -51,6 +51,20 @@ def test_sampling_masks_are_detached(detach_mode, expect) -> None:
         "sampling masks still backed by the channel"
 
 
+def test_auxiliary_rows_are_detached(detach_mode, expect) -> None:
+    """``aux_output_connector_output`` (routed experts): one read-only ``rows`` array per request."""
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+    expect("detach_logprobs", detach_mode)
+    out = make_output(0, OutputShape())
+    out.aux_output_connector_output = {f"req-{i}": AuxRequestOutput(i, _freeze(np.arange(6, dtype=np.int32) + i))
+                                       for i in range(4)}
+    detach.resolve(detach_mode)(out)
+    rows = [aux.rows for aux in out.aux_output_connector_output.values()]
+    assert not any(_read_only(*rows)), "auxiliary rows still backed by the channel"
+    assert all(np.array_equal(r, np.arange(6) + i) for i, r in enumerate(rows))
+
+
 def test_writable_arrays_are_left_alone() -> None:
     out = make_output(1, OutputShape(prompt_len=3))
     arrays = list(out.logprobs[:3])
@@ -108,3 +122,58 @@ def test_one_execution_in_flight_only_for_compiled_graphs_with_pp_and_tp(monkeyp
     assert not inflight.needed(config(2, 2, backend="mp"))
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")
     assert not inflight.needed(config(2, 2)), "the V2 executor keeps its pipelining"
+
+
+def test_a_frozen_dataclass_holding_a_channel_array_is_rebuilt_not_changed_in_place() -> None:
+    """A field vLLM adds may be a frozen dataclass: ours replaces it with a detached copy."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Rows:
+        rows: np.ndarray
+        label: str
+
+    out = make_output(0, OutputShape())
+    out.aux_output_connector_output = {"req-0": Rows(_freeze(np.arange(8, dtype=np.int64)), "aux")}  # object
+    detach.detach_output(out)
+    rows = out.aux_output_connector_output["req-0"]
+    assert type(rows) is Rows and rows.label == "aux"
+    assert rows.rows.flags.writeable and np.array_equal(rows.rows, np.arange(8))
+
+
+def test_types_that_cannot_hold_a_channel_array_are_skipped_whole() -> None:
+    """Worked out once per type from annotations: lists of strings, index dicts and torch tensors
+    (Ray copies them) cost nothing per step; arrays, ``object`` and the output itself are walked."""
+    import torch
+    from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
+
+    for declared in (list[str], dict[str, int], list[list[int]], torch.Tensor, set[str],
+                     dict[str, LogprobsTensors | None], list[torch.Tensor | None] | None):
+        assert detach.plan_for(declared) is None, declared
+    assert detach.plan_for(np.ndarray) is detach._array
+    assert detach.plan_for(object) is detach._by_runtime_type
+    assert detach.plan_for(ModelRunnerOutput) is not None
+
+
+def test_auxiliary_outputs_of_mixed_types_are_all_detached() -> None:
+    """The first item picks the generated loop for its type; items of other types still get theirs."""
+    import dataclasses
+
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+    from vllm.v1.outputs import SamplingMaskLists
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        rows: np.ndarray
+
+    out = make_output(0, OutputShape())
+    out.aux_output_connector_output = {
+        "a": AuxRequestOutput(0, _freeze(np.arange(3))), "b": Frozen(_freeze(np.arange(4))),
+        "c": SamplingMaskLists(_freeze(np.arange(5))), "d": [_freeze(np.arange(6))],
+        "e": AuxRequestOutput(1, _freeze(np.arange(7)))}
+    detach.detach_output(out)
+    aux = out.aux_output_connector_output
+    arrays = [aux["a"].rows, aux["b"].rows, aux["c"].token_ids, aux["d"][0], aux["e"].rows]
+    assert not any(_read_only(*arrays)), [a.flags.writeable for a in arrays]
+    assert type(aux["b"]) is Frozen and type(aux["c"]) is SamplingMaskLists
+    assert [len(a) for a in arrays] == [3, 4, 5, 6, 7]

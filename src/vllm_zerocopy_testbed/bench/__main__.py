@@ -7,7 +7,7 @@ import platform
 import time
 from pathlib import Path
 
-from vllm_zerocopy_testbed.bench import broadcast, channel, e2e, report
+from vllm_zerocopy_testbed.bench import broadcast, channel, detach, e2e, report
 from vllm_zerocopy_testbed.config import REPO_ROOT
 
 PARTS = ("broadcast", "channel", "e2e", "inflight")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     def say(text: str) -> None:
         print(f"[{time.monotonic() - start:6.1f} s] {text}", flush=True)
 
-    results: dict[str, list] = {"broadcast": [], "channel": [], "e2e": []}
+    results: dict[str, list] = {"broadcast": [], "channel": [], "detach": [], "e2e": []}
     if "broadcast" in parts:
         say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
         results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         results["channel"] = channel.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(
             f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%}"
             + (f", {f.vs_none:.2f} x none" if f.vs_none is not None and f.variant != "none" else "") + ")"))
+        say("channel: the detach alone on one output of 2048 requests per field shape, testbed vs upstream")
+        results["detach"] = detach.run(quick=args.quick, progress=lambda f: say(
+            f"  {f.shape:16} {f.variant:8} {f.detach.median_ms:8.4f} ms (spread {f.detach.spread:.0%})"
+            + (f", {f.vs_upstream:.2f} x upstream" if f.variant != "upstream" else "")))
     if "e2e" in parts:
         say("e2e: single-process reference (not with --quick), then the cluster per mode")
         results["e2e"] = e2e.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(

@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
 from vllm_zerocopy_testbed.bench.channel import ChannelFigure
+from vllm_zerocopy_testbed.bench.detach import DetachFigure
 from vllm_zerocopy_testbed.bench.e2e import LatencyFigure
 
 
@@ -40,6 +41,16 @@ def channel_table(figures: list[ChannelFigure]) -> str:
         if f.vs_none is not None and f.variant != "none":
             ratio += f" ({_flag(f.vs_none_spread or 0.0)})"
         lines.append(f"| {f.num_reqs} | {f.variant} | {f.step.median_ms:.3f} | {_flag(f.step.spread)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def detach_table(figures: list[DetachFigure]) -> str:
+    lines = ["| output of 2048 requests | detach | per output (ms) | spread | / upstream (same rounds) |",
+             "|---|---|---|---|---|"]
+    for f in figures:
+        ratio = "-" if f.variant == "upstream" or f.vs_upstream is None else \
+            f"{f.vs_upstream:.2f} ({_flag(f.vs_upstream_spread or 0.0)})"
+        lines.append(f"| {f.shape} | {f.variant} | {f.detach.median_ms:.4f} | {_flag(f.detach.spread)} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -112,11 +123,12 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
 
 
 def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelFigure], e2e: list[LatencyFigure],
-          meta: dict[str, Any]) -> list[Path]:
+          meta: dict[str, Any], detach: list[DetachFigure] | None = None) -> list[Path]:
     """Write bench.json, bench.md and the plots under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
+    detach = detach or []
     data = {"meta": meta, "broadcast": [asdict(f) for f in broadcast], "channel": [asdict(f) for f in channel],
-            "e2e": [asdict(f) for f in e2e]}
+            "detach": [asdict(f) for f in detach], "e2e": [asdict(f) for f in e2e]}
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     plots = _plots(out, broadcast, channel, e2e)
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
@@ -133,9 +145,11 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
                                ("Compiled-graph channel: detach vs none vs lists",
                                 channel_table(channel) if channel else "", "channel"),
+                               ("The detach alone, testbed vs upstream (goal <= 1.1x)",
+                                detach_table(detach) if detach else "", ""),
                                ("End to end", e2e_table(e2e) if e2e else "", "e2e")):
         if table:
-            md += [f"## {title}", "", table, "", f"![{plot}]({plot}.png)", ""]
+            md += [f"## {title}", "", table, ""] + ([f"![{plot}]({plot}.png)", ""] if plot else [])
     md += [f"- {n}" for n in meta.get("notes", [])]
     (out / "bench.md").write_text("\n".join(md) + "\n")
     return [out / "bench.json", out / "bench.md", *plots]
