@@ -37,6 +37,8 @@ HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
 # Profiles whose cluster this run brought up (a `make up` cluster is used and left as found).
 STARTED_BY_RUN: set[str] = set()
+# Server-log words that name why an engine died, first occurrence quoted first (``LiveCluster.evidence``).
+CAUSES = ("RayChannelTimeoutError", "WriteAcquire", "check failed", "EngineDeadError")
 # One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
 
@@ -83,7 +85,7 @@ class LiveCluster:
             # The cause goes with the death: later tests fail quoting it, and a known failure
             # (known.E2E) matches them only if that cause is the one it names.
             self.dead = (f"the engine died in suite {suite!r} ({first.key}: {first.error}); "
-                         f"server log: {self.evidence(5)}")
+                         f"server log: {self.evidence(3)}")
         return records
 
     def run_staggered(self, suite: str, specs: list[CompletionSpec], *, clients: int,
@@ -92,11 +94,15 @@ class LiveCluster:
         return self._runner().run_staggered(suite, specs, clients=clients, seconds=seconds)
 
     def evidence(self, lines: int = 30) -> str:
-        """Return the server log lines that say why requests failed (timeouts, dead engine, errors)."""
-        logs = self.backend.logs()
+        """Return the server log lines that say why requests failed: the first line of each cause
+        (a channel timeout, a raylet check, a dead engine), then the latest error lines."""
+        logs = self.backend.logs().splitlines()
         keys = ("RayChannelTimeoutError", "EngineDeadError", "died", "Traceback", "Error", "check failed")
-        hits = [line for line in logs.splitlines() if any(k in line for k in keys)]
-        return "\n".join(hits[-lines:]) or "\n".join(logs.splitlines()[-lines:])
+        hits = [line for line in logs if any(k in line for k in keys)]
+        # A death floods the log with tracebacks: its cause must not scroll out of the window.
+        causes = [next(line for line in hits if cause in line) for cause in CAUSES if any(cause in h for h in hits)]
+        tail = [line for line in hits[-lines:] if line not in causes]
+        return "\n".join(causes + tail) or "\n".join(logs[-lines:])
 
 
 def match_reference(records: list[Record], reference: Reference) -> list[Verdict]:

@@ -156,3 +156,18 @@ def test_the_zero_copy_signature_is_the_transport_checkers_words() -> None:
     assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(in_band))), "") is None
     nothing_sent = transport.check_out_of_band("", 2097152, path="remote")  # the wire tap is gone: another failure
     assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(nothing_sent))), "")
+
+
+def test_the_quoted_evidence_keeps_the_cause_when_tracebacks_flood_the_log() -> None:
+    """The engine's death logs dozens of traceback lines after the channel timeout that caused it:
+    the quote (the known failure's evidence) must still hold the timeout line."""
+    from types import SimpleNamespace
+
+    from vllm_zerocopy_testbed.suite import LiveCluster
+
+    log = "\n".join(["head-1 | INFO ready"] + [
+        "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting for object"] + [
+        f"head-1 | ERROR Traceback line {i}: RuntimeError in engine" for i in range(60)])
+    cluster = LiveCluster(SimpleNamespace(logs=lambda: log), _profile("cgraph", "upstream", "upstream"))
+    quoted = cluster.evidence(3)
+    assert "RayChannelTimeoutError" in quoted and "line 59" in quoted and "line 10:" not in quoted
