@@ -14,7 +14,7 @@ import os
 import pytest
 from packaging.version import Version
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, PatchMode
+from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.known import COMPONENT, judge_report
 
 UPSTREAM = PatchMode.UPSTREAM
@@ -47,7 +47,8 @@ def modes_under_test(env: str) -> list[PatchMode]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    for fixture, env in (("broadcast_mode", BROADCAST_ENV), ("detach_mode", DETACH_ENV)):
+    for fixture, env in (("broadcast_mode", BROADCAST_ENV), ("detach_mode", DETACH_ENV),
+                         ("inflight_mode", INFLIGHT_ENV)):
         if fixture in metafunc.fixturenames:
             metafunc.parametrize(fixture, modes_under_test(env), ids=lambda m: m.value)
 

@@ -63,6 +63,8 @@ class Executor(str, enum.Enum):
 EXECUTOR_ENV = "TESTBED_EXECUTOR"
 BROADCAST_ENV = "TESTBED_BROADCAST"
 DETACH_ENV = "TESTBED_DETACH"
+# The compiled-graph in-flight cap (issue 5, patches/inflight.py); e2e profiles set it to the detach mode.
+INFLIGHT_ENV = "TESTBED_INFLIGHT"
 COMMUNICATOR_ENV = "TESTBED_CPU_COMMUNICATOR"
 PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
 # Ray resource name the CPU platform asks for per worker. `HPU` serves both the
@@ -85,6 +87,7 @@ class TestbedConfig:
 
     broadcast: PatchMode = PatchMode.TESTBED
     detach: PatchMode = PatchMode.TESTBED
+    inflight: PatchMode = PatchMode.TESTBED
     communicator: CommunicatorChoice = CommunicatorChoice.HOST_AWARE
     cpu_platform: bool = True
     ray_device_key: str = "HPU"
@@ -114,6 +117,7 @@ class TestbedConfig:
         return cls(
             broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),
             detach=PatchMode.parse(env.get(DETACH_ENV, "testbed"), variable=DETACH_ENV),
+            inflight=PatchMode.parse(env.get(INFLIGHT_ENV, "testbed"), variable=INFLIGHT_ENV),
             communicator=communicator,
             cpu_platform=platform_raw == "on",
             ray_device_key=key,
@@ -242,9 +246,10 @@ class Profile:
         return f"{self.executor.value}/b-{self.broadcast.value}/d-{self.detach.value}"
 
     def env(self) -> dict[str, str]:
-        """Return the cluster settings that select this profile."""
+        """Return the cluster settings that select this profile; the in-flight cap (the compiled
+        graph's other fix) follows the detach mode."""
         return {EXECUTOR_ENV: self.executor.value, BROADCAST_ENV: self.broadcast.value,
-                DETACH_ENV: self.detach.value}
+                DETACH_ENV: self.detach.value, INFLIGHT_ENV: self.detach.value}
 
 
 def e2e_profiles(env: Mapping[str, str] | None = None) -> tuple[list[Profile], bool]:

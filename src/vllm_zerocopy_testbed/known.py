@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV
+from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV
 
 # pytest.fail() raises _pytest.outcomes.Failed; matched by name, so this module needs no pytest.
 ASSERTION = ("AssertionError", "Failed")
@@ -79,7 +79,7 @@ COMPONENT: dict[str, Known] = {
     "detach_logprobs": _known(
         DETACH_ENV, {"off": "before PR 35736 channel-backed logprobs arrays are kept"}, _HELD),
     "cgraph_no_deadlock": _known(
-        DETACH_ENV, {"off": "issue 5: two executions in flight (PP=2) and two output channels (TP=2) deadlock "
+        INFLIGHT_ENV, {"off": "issue 5: two executions in flight (PP=2) and two output channels (TP=2) deadlock "
                             "the raylet",
                      "upstream": "issue 5: vLLM keeps PP executions in flight; the driver node's raylet deadlocks"},
         r"DEADLOCK: .*RayChannelTimeoutError"),
@@ -121,7 +121,7 @@ E2E: dict[str, KnownOnProfiles] = {
         "issue 5: on the compiled-graph executor the first logprobs request deadlocks the driver node's raylet "
         "(zero-copy outputs, two executions in flight, one output channel per TP rank) until "
         "RAY_CGRAPH_get_timeout, and the engine dies; fixed by the testbed's one execution in flight "
-        "(patches/inflight.py, detach=testbed)",
+        "(patches/inflight.py, inflight=testbed: e2e profiles set it to their detach mode)",
         Signature(r"RayChannelTimeoutError|WriteAcquire"), executors=frozenset({"cgraph"}),
         detach=frozenset({"off", "upstream"})),
 }

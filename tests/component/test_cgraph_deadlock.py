@@ -19,7 +19,7 @@ import time
 import pytest
 
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
-from vllm_zerocopy_testbed.config import DETACH_ENV, PatchMode
+from vllm_zerocopy_testbed.config import INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.harness import cgraph_deadlock
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
@@ -39,12 +39,12 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         shm.remove_new()
 
 
-def test_the_compiled_graph_never_deadlocks_the_driver_node(detach_mode, expect) -> None:
+def test_the_compiled_graph_never_deadlocks_the_driver_node(inflight_mode, expect) -> None:
     """As many executions in flight as vLLM's engine keeps in this mode: read from a real
     ``VllmConfig`` with the plugins loaded as in the engine (``patches/inflight.py`` under ``testbed``)."""
-    expect("cgraph_no_deadlock", detach_mode)
-    proc = _run("--inflight", "vllm", env={DETACH_ENV: detach_mode.value})
-    want = 1 if detach_mode is PatchMode.TESTBED else 2
+    expect("cgraph_no_deadlock", inflight_mode)
+    proc = _run("--inflight", "vllm", env={INFLIGHT_ENV: inflight_mode.value})
+    want = 1 if inflight_mode is PatchMode.TESTBED else 2
     assert f"in flight: {want} " in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
     assert proc.returncode == 0 and "PASS" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
 
@@ -60,3 +60,28 @@ def test_the_deadlock_is_bounded_by_the_get_timeout() -> None:
     proc = _run()
     assert proc.returncode == 1 and "DEADLOCK" in proc.stdout and "RayChannelTimeoutError" in proc.stdout, \
         (proc.stdout + proc.stderr)[-1500:]
+
+
+ONE_NODE = """
+import os, ray
+os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"
+from types import SimpleNamespace
+from vllm_zerocopy_testbed.patches import inflight
+ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # a new one-node cluster
+try:
+    config = SimpleNamespace(parallel_config=SimpleNamespace(
+        distributed_executor_backend="ray", pipeline_parallel_size=2, tensor_parallel_size=2))
+    print("needed:", inflight.needed(config))
+finally:
+    ray.shutdown()
+"""
+
+
+def test_one_ray_node_keeps_vllms_pipelining() -> None:
+    """PP x TP compiled graphs on one Ray node have no raylet hop and no deadlock: no cap there."""
+    shm = ShmSnapshot.take()
+    try:
+        proc = subprocess.run([sys.executable, "-c", ONE_NODE], capture_output=True, text=True, timeout=120)
+    finally:
+        shm.remove_new()
+    assert proc.returncode == 0 and "needed: False" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]

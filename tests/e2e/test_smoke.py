@@ -56,7 +56,8 @@ def test_each_stage_runs_on_its_own_node(cluster) -> None:
 def test_every_process_runs_the_profile_modes(cluster) -> None:
     """API server, engine and every Ray worker log the modes of the profile under test."""
     lines = cluster.backend.mode_lines()
-    want = f"broadcast={cluster.profile.broadcast.value} detach={cluster.profile.detach.value}"
+    want = (f"broadcast={cluster.profile.broadcast.value} detach={cluster.profile.detach.value} "
+            f"inflight={cluster.profile.detach.value}")
     tp, pp = int(cluster.settings["TESTBED_TP"]), int(cluster.settings["TESTBED_PP"])
     workers = [line for line in lines if "role=ray-worker" in line]
     assert len({line.split("pid=")[1].split()[0] for line in workers}) >= tp * pp, lines

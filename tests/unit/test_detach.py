@@ -177,3 +177,22 @@ def test_auxiliary_outputs_of_mixed_types_are_all_detached() -> None:
     assert not any(_read_only(*arrays)), [a.flags.writeable for a in arrays]
     assert type(aux["b"]) is Frozen and type(aux["c"]) is SamplingMaskLists
     assert [len(a) for a in arrays] == [3, 4, 5, 6, 7]
+
+
+def test_the_inflight_mode_switches_both_ways_on_a_real_vllm_config(monkeypatch) -> None:
+    """``testbed`` caps a compiled-graph PP=2 x TP=2 config at one execution; switching back to
+    ``upstream`` gives vLLM's own value again (the wrapper stays, the cap does not)."""
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from vllm_zerocopy_testbed.patches import inflight
+
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    config = VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2,
+                                                       distributed_executor_backend="ray"))
+    try:
+        inflight.apply(PatchMode.TESTBED)
+        assert (config.max_concurrent_batches, inflight.active_mode()) == (1, PatchMode.TESTBED)
+        inflight.apply(PatchMode.UPSTREAM)
+        assert (config.max_concurrent_batches, inflight.active_mode()) == (2, PatchMode.UPSTREAM)
+    finally:
+        inflight.apply(PatchMode.UPSTREAM)

@@ -24,7 +24,7 @@ def test_default_profiles_are_both_executors_in_testbed_and_upstream() -> None:
 def test_chosen_modes_are_strict_and_set_both_paths() -> None:
     profiles, chosen = e2e_profiles({"TESTBED_E2E_MODES": "off", "TESTBED_E2E_EXECUTORS": "cgraph"})
     assert chosen and profiles[0].env() == {"TESTBED_EXECUTOR": "cgraph", "TESTBED_BROADCAST": "off",
-                                            "TESTBED_DETACH": "off"}
+                                            "TESTBED_DETACH": "off", "TESTBED_INFLIGHT": "off"}
 
 
 def test_bad_executor_or_mode_names_the_valid_ones() -> None:

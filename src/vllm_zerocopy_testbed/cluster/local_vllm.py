@@ -71,7 +71,7 @@ class LocalVllmCluster(Cluster):
         # Up means warmed up, as in the compose head: the first request compiles.
         warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
                 timeout=max(1.0, start + self.up_timeout - time.monotonic()),
-                logprobs=warms_logprobs(self.settings.executor.value, self.settings.values.get("TESTBED_DETACH", "testbed")))
+                logprobs=warms_logprobs(self.settings.executor.value, self.settings.values.get("TESTBED_INFLIGHT", "testbed")))
         return time.monotonic() - start
 
     def _wait_healthy(self, deadline: float) -> None:

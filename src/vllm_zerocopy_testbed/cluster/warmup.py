@@ -81,6 +81,6 @@ if __name__ == "__main__":
     main()
 
 
-def warms_logprobs(executor: str, detach: str) -> bool:
+def warms_logprobs(executor: str, inflight: str) -> bool:
     """Whether start-up may warm the logprobs path: V2, or the compiled graph with the issue-5 fix."""
-    return executor == "v2" or detach == "testbed"
+    return executor == "v2" or inflight == "testbed"

@@ -6,8 +6,8 @@ import multiprocessing
 import os
 import sys
 
-from vllm_zerocopy_testbed.config import PatchMode, TestbedConfig
-from vllm_zerocopy_testbed.patches import apply_modes, inflight, timeline, wiretap
+from vllm_zerocopy_testbed.config import TestbedConfig
+from vllm_zerocopy_testbed.patches import apply_modes, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
 
@@ -35,9 +35,6 @@ def register() -> None:
     if config.ray_driver_ip and process_role() == "engine-core":
         _join_ray_as(config.ray_driver_ip)
     role = process_role()
-    if role == "engine-core" and config.detach is PatchMode.TESTBED:
-        # issue 5: the compiled-graph executor's outputs deadlock with PP x TP pipelining
-        inflight.install()
     if role == "engine-core":
         # The engine writes the scheduler's broadcast: tap its sends for the transport checker.
         wiretap.install(testbed_logger(), timeline=config.mq_timeline)
