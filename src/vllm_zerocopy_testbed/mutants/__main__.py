@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutants:
             print(f"{m.name:42} {m.module.rsplit('.', 1)[-1]:16} -k '{m.select}' {' '.join(m.tests)}")
         return 0
+    # SIGTERM (a CI job cancelled) unwinds like Ctrl-C, so the running pytest group is killed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = args.out or REPO_ROOT / "reports" / f"mutants-{time.strftime('%Y%m%d-%H%M%S')}"
     start = time.monotonic()
     fates = run.run(mutants, out, say=lambda text: print(f"[{time.monotonic() - start:6.0f} s] {text}", flush=True))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,17 +91,30 @@ def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Pa
         cmd += ["-k", select]
     started = time.monotonic()
     with open(workdir / "pytest.log", "w") as log:
+        # Its own session: on a timeout or an interrupt the whole group goes (harness readers,
+        # Ray nodes), and nothing of it outlives the run.
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=RUN_TIMEOUT_S, start_new_session=True)
-            returncode = proc.returncode
+            returncode = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             returncode = -9
+        finally:
+            _kill_group(proc)
     seconds = time.monotonic() - started
     failed, message, count = _first_failure(junit)
     if returncode == -9:
         message = f"the run exceeded {RUN_TIMEOUT_S} s"
     return Outcome(returncode, seconds, failed, message, count)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the run's process group (only ours: its own session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def judge(mutant: Mutant, outcome: Outcome, loads: int, baseline: Outcome) -> Fate:

@@ -270,10 +270,10 @@ def _dataclass(cls: type) -> Plan | None:
     plans = [(name, p) for name, p in plans if p is not None]
     if not plans:
         return None
-    frozen = cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    if len(plans) == 1 and not frozen:
-        return _one_field(cls, *plans[0])
-    if not frozen:
+    if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        if len(plans) == 1 and plans[0][1] is _array:
+            return _one_array_field(cls, plans[0][0])
+
         def apply_in_place(value: Any) -> Any:
             if type(value) is not cls:
                 return _by_runtime_type(value)
@@ -286,55 +286,36 @@ def _dataclass(cls: type) -> Plan | None:
             return value
         return apply_in_place
 
-    def apply(value: Any) -> Any:
+    def apply_frozen(value: Any) -> Any:
         if type(value) is not cls:
             return _by_runtime_type(value)
         changes = {}
         for name, plan in plans:
             old = getattr(value, name, None)
-            if old is None:
-                continue
-            new = plan(old)
-            if new is not old:
-                changes[name] = new
-        if not changes:
-            return value
-        if frozen:
-            return dataclasses.replace(value, **changes)
-        for name, new in changes.items():
-            setattr(value, name, new)
-        return value
-    return apply
-
-
-def _one_field(cls: type, name: str, plan: Plan) -> Plan:
-    """A mutable dataclass with one field to detach (``AuxRequestOutput.rows``): as cheap as
-    upstream's loop, which sets that one attribute."""
-    if plan is _array:
-        def apply_array(value: Any) -> Any:  # one call per item, the copy inline
-            if type(value) is not cls:
-                return _by_runtime_type(value)
-            old = getattr(value, name, None)
-            if isinstance(old, np.ndarray):
-                if not old.flags.writeable:
-                    setattr(value, name, old.copy())
-            elif old is not None:
-                new = _by_runtime_type(old)
+            if old is not None:
+                new = plan(old)
                 if new is not old:
-                    setattr(value, name, new)
-            return value
-        apply_array.array_field = name  # type: ignore[attr-defined]  # containers inline it
-        return apply_array
+                    changes[name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    return apply_frozen
 
+
+def _one_array_field(cls: type, name: str) -> Plan:
+    """A mutable dataclass whose one field to detach is an array (``AuxRequestOutput.rows``): the copy
+    inline, one call per item; containers of thousands inline even that (``array_field``)."""
     def apply(value: Any) -> Any:
         if type(value) is not cls:
             return _by_runtime_type(value)
         old = getattr(value, name, None)
-        if old is not None:
-            new = plan(old)
+        if isinstance(old, np.ndarray):
+            if not old.flags.writeable:
+                setattr(value, name, old.copy())
+        elif old is not None:
+            new = _by_runtime_type(old)
             if new is not old:
                 setattr(value, name, new)
         return value
+    apply.array_field = name  # type: ignore[attr-defined]
     return apply
 
 
