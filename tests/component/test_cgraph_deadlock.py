@@ -77,11 +77,15 @@ finally:
 """
 
 
-def test_one_ray_node_keeps_vllms_pipelining() -> None:
+def test_one_ray_node_keeps_vllms_pipelining(tmp_path) -> None:
     """PP x TP compiled graphs on one Ray node have no raylet hop and no deadlock: no cap there."""
     shm = ShmSnapshot.take()
+    # ray.init of a new local cluster writes ~/.ray/auth_token; with that file in the user's home,
+    # later `ray start` nodes fail to join (InvalidAuthToken): the subprocess gets a home of its own.
+    env = {**os.environ, "HOME": str(tmp_path)}
     try:
-        proc = subprocess.run([sys.executable, "-c", ONE_NODE], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", ONE_NODE], capture_output=True, text=True, timeout=120,
+                              env=env)
     finally:
         shm.remove_new()
     assert proc.returncode == 0 and "needed: False" in proc.stdout, (proc.stdout + proc.stderr)[-1500:]
