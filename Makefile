@@ -74,7 +74,7 @@ faults: $(E2E_DEPS) ## bad input and nemeses (kill/pause/disconnect/restart a no
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
 
-mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min; ONLY=a,b LIST=1), report in reports/
+mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
 VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
