@@ -51,7 +51,10 @@ def test_embeds_of_token_rows_answer_as_the_token_ids(cluster: LiveCluster, embe
 def test_batch_of_embeds_answers_as_each_alone(cluster: LiveCluster, embeds_run: list[Record]) -> None:
     answers = bitexact.first_answers(embeds_run)
     batch = answers.get("embeds/batch")
-    assert batch is not None, f"the batch request got no answer: {[r.error for r in embeds_run if not r.ok][:1]}"
+    if batch is None:  # judged with the failed requests and the server's evidence (known failures match on it)
+        missing = Verdict("batch = parts")
+        missing.fail("the batch request got no answer")
+        judge(cluster, timeouts.check(embeds_run), missing)
     verdict = Verdict("batch = parts")
     for n, choice in enumerate(batch.choices):
         alone = answers[f"ids/batch/{n}"]
