@@ -9,21 +9,23 @@ module no process imported is an error, not a survivor: the tests never saw it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, REPO_ROOT
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.known import COMPONENT
 from vllm_zerocopy_testbed.mutants import overlay
 from vllm_zerocopy_testbed.mutants.catalog import Mutant
 
-logger = logging.getLogger(__name__)
+# Mode variables make every property strict (tests/conftest.py): a run leaves them unset so the
+# known failures keep their table entry; derived from the table, so a new switch is covered.
+MODE_ENVS = frozenset(known.env for known in COMPONENT.values())
 
 # Per pytest run. The slowest selection (a compiled-graph deadlock run) takes ~60 s; a hang is
 # a kill, but every test under mutation is bounded by pytest-timeout well below this.
@@ -59,7 +61,11 @@ class Fate:
     seconds: float = 0.0
     loads: int = 0  # processes that imported the changed module
     equivalent: str = ""
-    detail: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, mutant: Mutant, fate: str, **figures: object) -> "Fate":
+        return cls(mutant.name, mutant.target, mutant.module, mutant.regression, list(mutant.tests), mutant.select,
+                   fate=fate, equivalent=mutant.equivalent, **figures)  # type: ignore[arg-type]
 
 
 def _first_failure(junit: Path) -> tuple[str, str, int]:
@@ -82,7 +88,7 @@ def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Pa
     """Run pytest on ``tests`` (``-k select``), stopping at the first failure; bounded."""
     workdir.mkdir(parents=True, exist_ok=True)
     junit = workdir / "junit.xml"
-    env = {k: v for k, v in os.environ.items() if k not in (BROADCAST_ENV, DETACH_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in MODE_ENVS}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
@@ -119,8 +125,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def judge(mutant: Mutant, outcome: Outcome, loads: int, baseline: Outcome) -> Fate:
     """Return the mutant's fate from its run, the overlay's load count and the baseline's run."""
-    fate = Fate(mutant.name, mutant.target, mutant.module, mutant.regression, list(mutant.tests), mutant.select,
-                fate=ERROR, seconds=round(outcome.seconds, 1), loads=loads, equivalent=mutant.equivalent)
+    fate = Fate.of(mutant, ERROR, seconds=round(outcome.seconds, 1), loads=loads)
     if baseline.returncode != 0:
         fate.message = f"baseline red (rc={baseline.returncode}: {baseline.failed_test} {baseline.message})"
     elif outcome.returncode == 5 or outcome.tests == 0 and outcome.returncode == 0:
@@ -151,8 +156,7 @@ def run(mutants: list[Mutant], out: Path, say=print) -> list[Fate]:
         try:
             overlay.build(scratch, list(mutant.changes))
         except overlay.OverlayError as exc:
-            fates.append(Fate(mutant.name, mutant.target, mutant.module, mutant.regression, list(mutant.tests),
-                              mutant.select, fate=ERROR, message=str(exc)))
+            fates.append(Fate.of(mutant, ERROR, message=str(exc)))
             say(f"{mutant.name}: error: {exc}")
             continue
         outcome = run_tests(mutant.tests, mutant.select, scratch, pythonpath=scratch)
