@@ -59,7 +59,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~10 min on 2
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
+bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
 	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)

@@ -70,3 +70,18 @@ def test_the_detach_bench_outputs_are_channel_like_and_fresh() -> None:
         if shape == "aux_rows":
             rows = [o.rows for o in a.aux_output_connector_output.values()]
             assert len(rows) == 8 and not any(r.flags.writeable for r in rows)
+
+
+def test_pipeline_table_and_report_carry_the_in_flight_counts(tmp_path) -> None:
+    import json
+
+    from vllm_zerocopy_testbed.bench import report
+    from vllm_zerocopy_testbed.bench.pipeline import PipelineFigure
+
+    figures = [PipelineFigure("upstream", 2, 20.0, Sample(21.0, 0.02, 8), 1.0, 0.0),
+               PipelineFigure("testbed", 1, 20.0, Sample(41.5, 0.01, 8), 1.97, 0.03)]
+    table = report.pipeline_table(figures)
+    assert "| upstream | 2 | 20 | 21.00 | 2% | - |" in table and "| testbed | 1 | 20 | 41.50 | 1% | 1.97 (3%) |" in table
+    report.write(tmp_path, broadcast=[], channel=[], e2e=[], meta={}, pipeline=figures)
+    assert json.loads((tmp_path / "bench.json").read_text())["pipeline"][1]["inflight"] == 1
+    assert "PP overlap lost" in (tmp_path / "bench.md").read_text()

@@ -7,13 +7,14 @@ import platform
 import time
 from pathlib import Path
 
-from vllm_zerocopy_testbed.bench import broadcast, channel, detach, e2e, report
+from vllm_zerocopy_testbed.bench import broadcast, channel, detach, e2e, pipeline, report
 from vllm_zerocopy_testbed.config import REPO_ROOT
 
-PARTS = ("broadcast", "channel", "e2e", "inflight")
+PARTS = ("broadcast", "channel", "pipeline", "e2e", "inflight")
 # Opt-in: inflight (two more compiled-graph cluster starts, ~8 min, would break the 15 min budget).
-DEFAULT_PARTS = ("broadcast", "channel", "e2e")
-QUICK_PARTS = DEFAULT_PARTS  # fewer sizes and repeats, and e2e only against a cluster already up
+DEFAULT_PARTS = ("broadcast", "channel", "pipeline", "e2e")
+# Fewer sizes and repeats, e2e only against a cluster already up, no pipeline part (~60 s of Ray start).
+QUICK_PARTS = ("broadcast", "channel", "e2e")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     def say(text: str) -> None:
         print(f"[{time.monotonic() - start:6.1f} s] {text}", flush=True)
 
-    results: dict[str, list] = {"broadcast": [], "channel": [], "detach": [], "e2e": []}
+    results: dict[str, list] = {"broadcast": [], "channel": [], "detach": [], "pipeline": [], "e2e": []}
     if "broadcast" in parts:
         say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
         results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
@@ -53,6 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         results["detach"] = detach.run(quick=args.quick, progress=lambda f: say(
             f"  {f.shape:16} {f.variant:8} {f.detach.median_ms:8.4f} ms (spread {f.detach.spread:.0%})"
             + (f", {f.vs_upstream:.2f} x upstream" if f.variant != "upstream" else "")))
+    if "pipeline" in parts:
+        say(f"pipeline: PP=2 x TP=2 compiled graph, {pipeline.STAGE_MS:g} ms of device time per stage, "
+            f"vLLM's in-flight count per inflight mode")
+        results["pipeline"] = pipeline.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)),
+                                           progress=lambda f: say(
+            f"  {f.mode:8} {f.inflight} in flight {f.execution.median_ms:7.2f} ms/execution "
+            f"(spread {f.execution.spread:.0%}" + (f", {f.vs_upstream:.2f} x upstream" if f.mode != "upstream"
+                                                   and f.vs_upstream is not None else "") + ")"))
     if "e2e" in parts:
         say("e2e: single-process reference (not with --quick), then the cluster per mode")
         results["e2e"] = e2e.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(

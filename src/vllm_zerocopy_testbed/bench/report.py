@@ -11,6 +11,7 @@ from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
 from vllm_zerocopy_testbed.bench.channel import ChannelFigure
 from vllm_zerocopy_testbed.bench.detach import DetachFigure
 from vllm_zerocopy_testbed.bench.e2e import LatencyFigure
+from vllm_zerocopy_testbed.bench.pipeline import PipelineFigure
 
 
 def _size(nbytes: int) -> str:
@@ -51,6 +52,17 @@ def detach_table(figures: list[DetachFigure]) -> str:
         ratio = "-" if f.variant == "upstream" or f.vs_upstream is None else \
             f"{f.vs_upstream:.2f} ({_flag(f.vs_upstream_spread or 0.0)})"
         lines.append(f"| {f.shape} | {f.variant} | {f.detach.median_ms:.4f} | {_flag(f.detach.spread)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def pipeline_table(figures: list[PipelineFigure]) -> str:
+    lines = ["| in-flight count of | executions in flight | stage (ms) | per execution (ms) | spread "
+             "| / upstream (same rounds) |", "|---|---|---|---|---|---|"]
+    for f in figures:
+        ratio = "-" if f.mode == "upstream" or f.vs_upstream is None else \
+            f"{f.vs_upstream:.2f} ({_flag(f.vs_upstream_spread or 0.0)})"
+        lines.append(f"| {f.mode} | {f.inflight} | {f.stage_ms:g} | {f.execution.median_ms:.2f} | "
+                     f"{_flag(f.execution.spread)} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -123,12 +135,14 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
 
 
 def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelFigure], e2e: list[LatencyFigure],
-          meta: dict[str, Any], detach: list[DetachFigure] | None = None) -> list[Path]:
+          meta: dict[str, Any], detach: list[DetachFigure] | None = None,
+          pipeline: list[PipelineFigure] | None = None) -> list[Path]:
     """Write bench.json, bench.md and the plots under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    detach = detach or []
+    detach, pipeline = detach or [], pipeline or []
     data = {"meta": meta, "broadcast": [asdict(f) for f in broadcast], "channel": [asdict(f) for f in channel],
-            "detach": [asdict(f) for f in detach], "e2e": [asdict(f) for f in e2e]}
+            "detach": [asdict(f) for f in detach], "pipeline": [asdict(f) for f in pipeline],
+            "e2e": [asdict(f) for f in e2e]}
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     plots = _plots(out, broadcast, channel, e2e)
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
@@ -147,6 +161,8 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
                                 channel_table(channel) if channel else "", "channel"),
                                ("The detach alone, testbed vs upstream (goal <= 1.1x)",
                                 detach_table(detach) if detach else "", ""),
+                               ("In-flight cap on a pipeline-bound compiled graph (PP overlap lost)",
+                                pipeline_table(pipeline) if pipeline else "", ""),
                                ("End to end", e2e_table(e2e) if e2e else "", "e2e")):
         if table:
             md += [f"## {title}", "", table, ""] + ([f"![{plot}]({plot}.png)", ""] if plot else [])
