@@ -75,8 +75,37 @@ RAY_DEVICE_KEY_ENV = "TESTBED_RAY_DEVICE_KEY"
 RAY_DRIVER_IP_ENV = "TESTBED_RAY_DRIVER_IP"
 # 1: log the timeline of every out-of-band MessageQueue buffer (patches/timeline.py).
 MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
+# A stall injected on the broadcast, to show the latency checker red (patches/slowdown.py):
+# empty (none) | stall:S (the engine's first broadcast of a tensor >= 1 MiB held S seconds).
+FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
 # Bytes: cap every node container's TCP buffers (compose/compose.tcp-buffers.yaml); unset: the kernel's.
 TCP_BUFFERS_ENV = "TESTBED_TCP_BUFFERS"
+
+
+@dataclass(frozen=True)
+class BroadcastFault:
+    """A stall injected on the engine's MessageQueue broadcast (``TESTBED_FAULT_BROADCAST``)."""
+
+    kind: str  # stall
+    value: float  # seconds (> 0)
+
+    @classmethod
+    def parse(cls, raw: str) -> "BroadcastFault | None":
+        """Parse ``stall:S``; None for an empty value."""
+        raw = raw.strip().lower()
+        if not raw:
+            return None
+        kind, _, value = raw.partition(":")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if kind == "stall" and number > 0:
+            return cls(kind, number)
+        raise ConfigError(f"{FAULT_BROADCAST_ENV}={raw!r} is invalid; use stall:S (S seconds > 0) or nothing")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.value:g}"
 
 
 @dataclass(frozen=True)
@@ -93,6 +122,7 @@ class TestbedConfig:
     ray_device_key: str = "HPU"
     ray_driver_ip: str | None = None
     mq_timeline: bool = False
+    broadcast_fault: BroadcastFault | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -123,6 +153,7 @@ class TestbedConfig:
             ray_device_key=key,
             ray_driver_ip=env.get(RAY_DRIVER_IP_ENV) or None,
             mq_timeline=timeline_raw == "1",
+            broadcast_fault=BroadcastFault.parse(env.get(FAULT_BROADCAST_ENV, "")),
         )
 
 

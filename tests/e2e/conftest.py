@@ -79,8 +79,9 @@ def _mark_known_failures(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session")
-def reference() -> Reference:
-    """Run every comparable spec once against the single-process server (before any cluster)."""
+def reference() -> Iterator[Reference]:
+    """Run every comparable spec once against the single-process server (before any cluster), and
+    keep it up for the session: the latency checks pair each cluster request with it."""
     specs = reference_specs(SIZES, int(SETTINGS["TESTBED_MAX_NUM_SEQS"]))
     with ReferenceServer(SETTINGS) as server:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
@@ -88,8 +89,8 @@ def reference() -> Reference:
         verdict = timeouts.check(records)
         if not verdict.ok:
             pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")
+        yield Reference(first_answers(records), records, runner)
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
-    return Reference(first_answers(records), records)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeline, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
-from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
+from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from vllm_zerocopy_testbed.model import LARGE_VOCAB, TinyModelSpec
 from vllm_zerocopy_testbed.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
@@ -67,7 +67,7 @@ DIFFERS_SIGNATURE = re.compile(r"^structured/\d+: choice \d+: (text|tokens) ")
 def structured_reference() -> dict[str, Record]:
     """The single-process server's answer to each structured spec (same variant, same flags)."""
     settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
-    with ReferenceServer(settings, spec=SPEC) as server:
+    with ReferenceServer(settings, spec=SPEC, port=REFERENCE_PORT + 1) as server:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
         records = runner.run("structured-reference", SPECS, concurrency=8)
         verdict = timeouts.check(records)

@@ -63,11 +63,38 @@ def test_across_profiles_needs_a_request_in_common_and_sees_one_token() -> None:
     assert not verdict.ok and "nothing compared" in str(verdict)
 
 
-def test_latency_budget_is_relative_to_the_reference() -> None:
-    reference = [_record(latency_s=0.1) for _ in range(5)]
-    assert latency.check([_record(latency_s=1.0)] * 10, reference, factor=20).ok
-    slow = latency.check([_record(latency_s=1.0)] * 9 + [_record(latency_s=60.0)] * 2, reference, factor=20)
-    assert not slow.ok and slow.figures["budget_s"] == pytest.approx(2.0)
+def _pairs(cluster_s: list[float], reference_s: list[float]) -> list[Record]:
+    return [Record(key=f"k{i}", suite="s", profile="p", bound_s=120.0, latency_s=c, reference_latency_s=r)
+            for i, (c, r) in enumerate(zip(cluster_s, reference_s))]
+
+
+def test_latency_judges_pairs_so_uniform_load_passes_and_a_slower_cluster_fails() -> None:
+    reference = [0.1, 0.2, 0.1, 0.4, 0.1, 0.2, 0.1, 0.4] * 3
+    healthy = [10 * r * (1 + 0.1 * (i % 3)) for i, r in enumerate(reference)]
+    assert latency.check(_pairs(healthy, reference), budget=20).ok
+    # A CPU hog slows both sides of every pair: the ratios stay, the verdict too.
+    hogged = latency.check(_pairs([3 * c for c in healthy], [3 * r for r in reference]), budget=20)
+    assert hogged.ok and hogged.figures["ratio_p50"] == pytest.approx(11, rel=0.01)
+    # The same cluster 2x slower beside the same reference: the median ratio doubles past the budget.
+    slow = latency.check(_pairs([2 * c for c in healthy], reference), budget=20)
+    assert not slow.ok and "22.0x slower than the reference" in str(slow)
+    # Measured without the reference beside it: nothing to measure is a failure, not a pass.
+    alone = [Record(key="k", suite="s", profile="p", bound_s=9, latency_s=1.0)]
+    assert "nothing to measure" in str(latency.check(alone, budget=20))
+
+
+def test_latency_names_one_stalled_request_among_healthy_ones() -> None:
+    reference = [0.1, 0.2, 0.1, 0.4, 0.05] * 4
+    cluster = [1.5 + 0.5 * r for r in reference]  # a fixed cost per request, as the cluster has
+    cluster[6] += 8.0  # k6: 9.6 s where 1.6 s was due
+    verdict = latency.check(_pairs(cluster, reference), budget=40)
+    assert not verdict.ok and len(verdict.problems) == 1, verdict
+    assert verdict.problems[0].startswith("k6 stalled: 9.60 s where the run predicts 1.60 s")
+    assert verdict.figures["fit_intercept_s"] == pytest.approx(1.5) and verdict.figures["fit_slope"] == pytest.approx(0.5)
+    # 3x its due time is noise under load, not a stall; nor is +1.5 s on a short request.
+    cluster = [1.5 + 0.5 * r for r in reference]
+    cluster[6], cluster[4] = 3 * 1.6, 1.525 + 1.5
+    assert latency.check(_pairs(cluster, reference), budget=40).ok
 
 
 def test_transport_tells_out_of_band_from_in_band() -> None:

@@ -44,3 +44,14 @@ def test_cluster_backend_is_one_knob() -> None:
     assert cluster_backend({}) == "compose" and cluster_backend({"TESTBED_CLUSTER": "local"}) == "local"
     with pytest.raises(ConfigError, match="compose, local"):
         cluster_backend({"TESTBED_CLUSTER": "k8s"})
+
+
+def test_broadcast_fault_parses_a_stall_and_names_valid_values() -> None:
+    from vllm_zerocopy_testbed.config import FAULT_BROADCAST_ENV, BroadcastFault, ConfigError, TestbedConfig
+
+    assert TestbedConfig.from_env({}).broadcast_fault is None
+    assert TestbedConfig.from_env({FAULT_BROADCAST_ENV: "stall:10"}).broadcast_fault == BroadcastFault("stall", 10.0)
+    assert str(BroadcastFault.parse(" Stall:7.5 ")) == "stall:7.5"
+    for bad in ("stall", "stall:-1", "stall:0", "slow:2", "stall:x"):
+        with pytest.raises(ConfigError, match=r"use stall:S \(S seconds > 0\) or nothing"):
+            BroadcastFault.parse(bad)

@@ -29,9 +29,11 @@ class ReferenceServer(Service):
     """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
-                 spec: TinyModelSpec = TinyModelSpec()) -> None:
-        """``spec``: the model variant the cluster serves (the node image builds the same ones)."""
+                 spec: TinyModelSpec = TinyModelSpec(), port: int = PORT) -> None:
+        """``spec``: the model variant the cluster serves (the node image builds the same ones);
+        ``port``: another than the e2e session's reference (which stays up) for a second one."""
         self.settings = settings or ClusterSettings.from_env()
+        self.port = port
         self.spec = spec
         self.up_timeout = up_timeout
         self._server: subprocess.Popen[bytes] | None = None
@@ -40,7 +42,7 @@ class ReferenceServer(Service):
 
     @property
     def base_url(self) -> str:
-        return f"http://{HOST}:{PORT}/v1"
+        return f"http://{HOST}:{self.port}/v1"
 
     def up(self) -> float:
         """Start the server, wait (bounded) for ``/health`` and one warm-up answer; return seconds."""
@@ -48,7 +50,7 @@ class ReferenceServer(Service):
         directory = model_dir(self.spec)
         build(directory, self.spec)
         values = {**self.settings.values, "TESTBED_MODEL": str(directory)}
-        argv = serve_argv(replace(self.settings, values=values), host=HOST, port=PORT, single_process=True)
+        argv = serve_argv(replace(self.settings, values=values), host=HOST, port=self.port, single_process=True)
         # The cluster's settings (VLLM_CPU_KVCACHE_SPACE above all: without it vLLM-CPU
         # reserves 92% of the host's memory and refuses to start when less is free), and one
         # thread, unbound: the cluster's nodes have one core each.

@@ -7,7 +7,7 @@ import os
 import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig
-from vllm_zerocopy_testbed.patches import apply_modes, timeline, wiretap
+from vllm_zerocopy_testbed.patches import apply_modes, slowdown, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
 
@@ -42,11 +42,15 @@ def register() -> None:
             timeline.install_writer(testbed_logger())
     if config.mq_timeline and role in ("engine-core", "ray-worker", "mp-worker"):
         timeline.install_reader(testbed_logger())
+    if config.broadcast_fault is not None and role == "engine-core":
+        slowdown.install(config.broadcast_fault)
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
     # reliable (nodes share a log directory), and placement is read from this.
     node = f" node={_ray_node_ip()}" if role == "ray-worker" else ""
     traced = " mq-timeline=on" if config.mq_timeline else ""
-    testbed_logger().info("testbed modes pid=%d role=%s %s%s%s", os.getpid(), role, modes, node, traced)
+    # An injected fault is said where the modes are: a slow run never passes for a healthy one.
+    fault = f" fault={slowdown.installed()}" if slowdown.installed() else ""
+    testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s", os.getpid(), role, modes, node, traced, fault)
 
 
 def _ray_node_ip() -> str:

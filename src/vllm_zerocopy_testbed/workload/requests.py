@@ -87,6 +87,9 @@ class Record:
     http_status: int | None = None
     error: str | None = None
     completion_tokens: int | None = None  # from the answer's usage
+    # The single-process reference's latency for the same request, sent just before this one
+    # (``Runner.run(paired=...)``): both under the same load, so their ratio is the cluster's cost.
+    reference_latency_s: float | None = None
     # Per choice: {"tokens": [ids], "token_logprobs": [...], "top_logprobs": [{id: lp}], "prompt_logprobs": ...}
     choices: list[dict[str, Any]] = field(default_factory=list)
 

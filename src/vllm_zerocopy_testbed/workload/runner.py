@@ -28,14 +28,29 @@ class Runner:
     def _client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key="testbed", timeout=self.timeout_s, max_retries=0)
 
-    def run(self, suite: str, specs: Iterable[CompletionSpec], *, concurrency: int = 1) -> list[Record]:
-        """Send every spec (``concurrency`` at a time); return their records in spec order."""
+    def run(self, suite: str, specs: Iterable[CompletionSpec], *, concurrency: int = 1,
+            paired: "Runner | None" = None) -> list[Record]:
+        """Send every spec (``concurrency`` at a time); return their records in spec order.
+
+        ``paired`` (one at a time only): each spec goes to that server first, right before
+        this one, and its latency is kept in the record (``reference_latency_s``), so that the
+        two are measured under the same load. Its records go to the history under its profile.
+        """
         client = self._client()
         specs = list(specs)
+        if paired is not None and concurrency > 1:
+            raise ValueError("paired runs send one request at a time")
+        other = paired._client() if paired is not None else None
 
         def one(spec: CompletionSpec) -> Record:
-            return self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
-                                         timeout=self.timeout_s))
+            before = None
+            if paired is not None:
+                before = paired.history.add(send(other, paired.model, spec, suite=f"{suite}-paired",
+                                                 profile=paired.profile, timeout=paired.timeout_s))
+            record = send(client, self.model, spec, suite=suite, profile=self.profile, timeout=self.timeout_s)
+            if before is not None and before.ok:
+                record.reference_latency_s = before.latency_s
+            return self.history.add(record)
 
         if concurrency <= 1:
             records = []
