@@ -181,27 +181,50 @@ class LocalRayCluster:
             except subprocess.TimeoutExpired:
                 logger.warning("ray node pid %d did not exit after SIGKILL", proc.pid)
         self._procs.clear()
+        # A worker whose raylet crashed (Ray's teardown after a channel stall does that) is no
+        # longer in the node's process group: end each process of our session by its PID.
+        self._kill_session_processes(deadline=time.monotonic() + 10)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
         self._shm.remove_new()
 
+    def _session_processes(self) -> dict[int, str]:
+        """PID -> command line of every live process whose environment names our Ray session."""
+        found: dict[int, str] = {}
+        if not self._last_workdir:
+            return found
+        # Ray renames its workers' command lines; their environment still names our session.
+        marker = f"{SESSION_ENV}={self._last_workdir}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                ours = marker in (proc / "environ").read_bytes().split(b"\0")
+                zombie = "State:\tZ" in (proc / "status").read_text()
+                title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if ours and not zombie:
+                found[int(proc.name)] = title
+        return found
+
+    def _kill_session_processes(self, deadline: float) -> None:
+        """SIGKILL each process of our session by PID, then wait until none is left or ``deadline``."""
+        while True:
+            pids = self._session_processes()
+            if not pids or time.monotonic() > deadline:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            time.sleep(0.1)
+
     def leftovers(self) -> list[str]:
         """Return what our nodes left behind: live processes of our Ray session, /dev/shm files."""
         found = [f"ray node pid {p.pid} still running" for p in self._procs if p.poll() is None]
-        if self._last_workdir:
-            # Ray renames its workers' command lines; their environment still names our session.
-            marker = f"{SESSION_ENV}={self._last_workdir}".encode()
-            for proc in Path("/proc").iterdir():
-                if not proc.name.isdigit():
-                    continue
-                try:
-                    ours = marker in (proc / "environ").read_bytes().split(b"\0")
-                    zombie = "State:\tZ" in (proc / "status").read_text()
-                    title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:  # gone meanwhile, or not ours to read
-                    continue
-                if ours and not zombie:
-                    found.append(f"pid {proc.name} of our Ray session: {title[:80]}")
+        found += [f"pid {pid} of our Ray session: {title[:80]}" for pid, title in self._session_processes().items()]
         found += [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
         return found
