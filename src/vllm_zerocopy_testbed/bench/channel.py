@@ -22,12 +22,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from vllm_zerocopy_testbed.bench.ray_child import run_driver
 from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample
 
 VARIANTS = ("none", "detach", "lists")
@@ -48,11 +48,8 @@ class ChannelFigure:
 
 
 def _driver(address: str, reqs: list[int], budget_s: float) -> None:
-    """Child process: one compiled graph, every size and variant through it; print JSON, ``os._exit``.
-
-    One graph per process and no teardown: tearing down a compiled graph with a
-    cross-node channel crashed the remote raylet here (``experimental_mutable_object_provider.cc``).
-    """
+    """Child process (``ray_child.run_driver``): one compiled graph, every size and variant through it;
+    print JSON, ``os._exit``."""
     import numpy as np
     import ray
     from ray.dag import InputNode
@@ -116,22 +113,14 @@ def _driver(address: str, reqs: list[int], budget_s: float) -> None:
 def run(*, quick: bool, progress: Callable[[ChannelFigure], None],
         note: Callable[[str], None] = print) -> list[ChannelFigure]:
     """Two fresh local Ray nodes and a driver child process; return the figures."""
-    from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+    from vllm_zerocopy_testbed.cluster.local_ray import RayNodeSpec
 
     reqs = QUICK_REQS if quick else FULL_REQS
     nodes = [RayNodeSpec(_DRIVER_IP), RayNodeSpec(_ACTOR_IP, resources={_REMOTE: 1})]
-    with LocalRayCluster(nodes) as cluster:
-        code = ("from vllm_zerocopy_testbed.bench.channel import _driver; "
-                f"_driver({cluster.address!r}, {list(reqs)!r}, {1.0 if quick else 2.0})")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "RAY_ADDRESS": cluster.address})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    if not lines:
-        note(f"channel bench: the driver failed ({proc.returncode}): "
-             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
-        return []
+    rows = run_driver(nodes, "from vllm_zerocopy_testbed.bench.channel import _driver; "
+                      f"_driver(ADDRESS, {list(reqs)!r}, {1.0 if quick else 2.0})", name="channel", note=note)
     figures = []
-    for r in json.loads(lines[-1]):
+    for r in rows:
         figure = ChannelFigure(r["variant"], r["num_reqs"], Sample(r["median_ms"], r["spread"], r["n"]),
                                r["vs_none"], r["vs_none_spread"])
         figures.append(figure)

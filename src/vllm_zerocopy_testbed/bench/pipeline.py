@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from vllm_zerocopy_testbed.bench.ray_child import run_driver
 from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample
 
 STAGE_MS = 20.0
@@ -120,21 +120,13 @@ def _driver(address: str, stage_ms: float, budget_s: float) -> None:
 def run(*, quick: bool, progress: Callable[[PipelineFigure], None],
         note: Callable[[str], None] = print) -> list[PipelineFigure]:
     """Two fresh local Ray nodes (stage 0 with the driver, stage 1 apart) and a driver child; the figures."""
-    from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+    from vllm_zerocopy_testbed.cluster.local_ray import RayNodeSpec
 
     nodes = [RayNodeSpec(_DRIVER_IP, resources={_STAGE0: 1}), RayNodeSpec(_STAGE1_IP, resources={_STAGE1: 1})]
-    with LocalRayCluster(nodes) as cluster:
-        code = ("from vllm_zerocopy_testbed.bench.pipeline import _driver; "
-                f"_driver({cluster.address!r}, {STAGE_MS!r}, {5.0 if quick else 15.0})")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "RAY_ADDRESS": cluster.address})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    if not lines:
-        note(f"pipeline bench: the driver failed ({proc.returncode}): "
-             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}")
-        return []
+    rows = run_driver(nodes, "from vllm_zerocopy_testbed.bench.pipeline import _driver; "
+                      f"_driver(ADDRESS, {STAGE_MS!r}, {5.0 if quick else 15.0})", name="pipeline", note=note)
     figures = []
-    for r in json.loads(lines[-1]):
+    for r in rows:
         figure = PipelineFigure(r["mode"], r["inflight"], r["stage_ms"], Sample(r["median_ms"], r["spread"], r["n"]),
                                 r["vs_upstream"], r["vs_upstream_spread"])
         figures.append(figure)
