@@ -46,18 +46,14 @@ class PipelineFigure:
 def vllm_inflight_by_mode() -> dict[str, int]:
     """``max_concurrent_batches`` of a compiled-graph PP=2 x TP=2 Ray ``VllmConfig`` per inflight mode,
     in this process (Ray must be connected: the cap asks whether it has several nodes)."""
-    os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"
-    from vllm.config import ParallelConfig, VllmConfig
-
     from vllm_zerocopy_testbed.config import PatchMode
+    from vllm_zerocopy_testbed.harness.cgraph_deadlock import compiled_graph_inflight
     from vllm_zerocopy_testbed.patches import inflight
 
     counts = {}
     for mode in (PatchMode.UPSTREAM, PatchMode.TESTBED):
         inflight.apply(mode)
-        config = VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2,
-                                                           distributed_executor_backend="ray"))
-        counts[mode.value] = config.max_concurrent_batches
+        counts[mode.value] = compiled_graph_inflight()
     inflight.apply(PatchMode.UPSTREAM)
     return counts
 

@@ -116,13 +116,21 @@ def vllm_inflight(pp: int = 2, tp: int = 2) -> int:
 
     os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"  # the compiled-graph executor
     multiprocessing.current_process().name = "EngineCore_DP0"  # the role plugins act on
-    from vllm.config import ParallelConfig, VllmConfig
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    config = VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                                                       distributed_executor_backend="ray"))
-    return config.max_concurrent_batches
+    return compiled_graph_inflight(pp, tp)
+
+
+def compiled_graph_inflight(pp: int = 2, tp: int = 2) -> int:
+    """``max_concurrent_batches`` of a compiled-graph PP x TP Ray ``VllmConfig``, in this process's modes."""
+    import os
+
+    from vllm.config import ParallelConfig, VllmConfig
+
+    os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"
+    return VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                                     distributed_executor_backend="ray")).max_concurrent_batches
 
 
 def main(argv: list[str] | None = None) -> None:
