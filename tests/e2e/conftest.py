@@ -89,6 +89,9 @@ def reference() -> Iterator[Reference]:
         verdict = timeouts.check(records)
         if not verdict.ok:
             pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")
+        # Paused between its requests: idle, it polls on the cluster's cores (~10% of one).
+        server.pause()
+        runner.awake = server.awake
         yield Reference(first_answers(records), records, runner)
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
 

@@ -6,14 +6,16 @@ identical) and measure latency budgets relative to it, in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
-from vllm_zerocopy_testbed.cluster.process import stop_group
+from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError, Service
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
@@ -37,6 +39,7 @@ class ReferenceServer(Service):
         self.spec = spec
         self.up_timeout = up_timeout
         self._server: subprocess.Popen[bytes] | None = None
+        self._paused = False
         self._log = Path(tempfile.mkstemp(prefix="testbed-reference-", suffix=".log")[1])
         self._shm = ShmSnapshot.take()
 
@@ -70,8 +73,31 @@ class ReferenceServer(Service):
                 logprobs=True)
         return time.monotonic() - start
 
+    def pause(self) -> None:
+        """Stop the whole server (SIGSTOP to its process group): idle, it still polls (~10% of a
+        core, measured), between the cluster's pinned ranks; ``awake`` runs it for one request."""
+        self._paused = pause_group(self._server)
+
+    def resume(self) -> None:
+        """Let a paused server run again (SIGCONT); nothing if it is not paused."""
+        if self._paused:
+            resume_group(self._server)
+        self._paused = False
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """Run the server for the block; paused again after it if it was paused before."""
+        was_paused = self._paused
+        self.resume()
+        try:
+            yield
+        finally:
+            if was_paused:
+                self.pause()
+
     def down(self) -> None:
         """Stop the server's process group (bounded) and remove the /dev/shm files it left."""
+        self.resume()  # a stopped process acts on SIGTERM only once continued
         stop_group(self._server)
         self._server = None
         self._shm.remove_new()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterable
 
+import httpx
 import openai
 
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record, send
@@ -24,9 +26,17 @@ class Runner:
     history: History
     profile: str
     timeout_s: float
+    # Entered around each request this runner sends as the other half of a pair: a paused
+    # reference server runs only for its own requests (``ReferenceServer.awake``).
+    awake: Callable[[], ContextManager[object]] = field(default=contextlib.nullcontext)
 
-    def _client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key="testbed", timeout=self.timeout_s, max_retries=0)
+    def _client(self, keep_alive: bool = True) -> openai.OpenAI:
+        """An OpenAI client; without ``keep_alive``, a fresh connection per request (a server
+        paused between requests may close an idle one as it resumes, under the request)."""
+        http = None if keep_alive else httpx.Client(limits=httpx.Limits(max_keepalive_connections=0),
+                                                    timeout=self.timeout_s)
+        return openai.OpenAI(base_url=self.base_url, api_key="testbed", timeout=self.timeout_s, max_retries=0,
+                             http_client=http)
 
     def run(self, suite: str, specs: Iterable[CompletionSpec], *, concurrency: int = 1,
             paired: "Runner | None" = None) -> list[Record]:
@@ -40,13 +50,15 @@ class Runner:
         specs = list(specs)
         if paired is not None and concurrency > 1:
             raise ValueError("paired runs send one request at a time")
-        other = paired._client() if paired is not None else None
+        other = paired._client(keep_alive=False) if paired is not None else None
 
         def one(spec: CompletionSpec) -> Record:
             before = None
             if paired is not None:
-                before = paired.history.add(send(other, paired.model, spec, suite=f"{suite}-paired",
-                                                 profile=paired.profile, timeout=paired.timeout_s))
+                with paired.awake():
+                    answer = send(other, paired.model, spec, suite=f"{suite}-paired", profile=paired.profile,
+                                  timeout=paired.timeout_s)
+                before = paired.history.add(answer)
             record = send(client, self.model, spec, suite=suite, profile=self.profile, timeout=self.timeout_s)
             if before is not None and before.ok:
                 record.reference_latency_s = before.latency_s
