@@ -297,3 +297,52 @@ def e2e_profiles(env: Mapping[str, str] | None = None) -> tuple[list[Profile], b
     if not executors:
         raise ConfigError(f"{E2E_EXECUTORS_ENV} is empty; use v2, cgraph or both")
     return [Profile(e, m, m) for e in executors for m in modes], bool(chosen)
+
+
+REPORT_DIR_ENV = "TESTBED_REPORT_DIR"
+REQUEST_TIMEOUT_ENV = "TESTBED_REQUEST_TIMEOUT_S"
+LATENCY_BUDGET_ENV = "TESTBED_LATENCY_BUDGET"
+# The median of cluster/reference latency allowed over the latency pairs (checker/latency.py).
+# Measured (docs/e2e.md, "Latency: what it catches"): 3.7 on v2/testbed with the reference
+# paused between its requests; 7.4-12.6 with it running, 18-20 with a CPU hog beside. A
+# coarse guard: stalls are judged apart, each request against the run's own line.
+DEFAULT_LATENCY_BUDGET = 30.0
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(f"{name}={raw!r} is invalid; use a number of seconds or a factor > 0, or leave it unset")
+    return value
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    """Settings of one e2e run, read once from the environment (``make e2e`` passes them)."""
+
+    __test__ = False
+
+    report_dir: Path  # reports/<RUN>/ (absolute)
+    request_timeout_s: float  # the bound of every request
+    latency_budget: float  # median cluster/reference latency ratio allowed
+
+    @classmethod
+    def from_env(cls, settings: "ClusterSettings", env: Mapping[str, str] | None = None,
+                 started: str | None = None) -> "E2ERun":
+        """``started``: the run's time stamp for the default report directory (``%Y%m%d-%H%M%S``)."""
+        import time
+
+        env = os.environ if env is None else env
+        stamp = started or time.strftime("%Y%m%d-%H%M%S")
+        # Past RAY_CGRAPH_get_timeout, so that a compiled-graph stall ends as the server's error
+        # (reported with its cause) before the client gives up.
+        channel_timeout = float(settings.values.get("RAY_CGRAPH_get_timeout", "60"))
+        return cls(report_dir=REPO_ROOT / (env.get(REPORT_DIR_ENV, "").strip() or f"reports/e2e-{stamp}"),
+                   request_timeout_s=_positive_float(env, REQUEST_TIMEOUT_ENV, channel_timeout + 60),
+                   latency_budget=_positive_float(env, LATENCY_BUDGET_ENV, DEFAULT_LATENCY_BUDGET))

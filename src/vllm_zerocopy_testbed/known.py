@@ -137,3 +137,21 @@ def judge_report(report: Any, exc: BaseException | None, signature: Signature | 
         report.outcome = "failed"
         del report.wasxfail
         report.sections.append(("known failure", f"not the known failure ({why}): a new failure is red"))
+
+
+# Server-log words that name why an engine died, first occurrence quoted first (``death_evidence``).
+CAUSES = ("RayChannelTimeoutError", "WriteAcquire", "check failed", "EngineDeadError")
+_ERROR_WORDS = ("RayChannelTimeoutError", "EngineDeadError", "died", "Traceback", "Error", "check failed")
+
+
+def death_evidence(logs: str, lines: int = 30) -> str:
+    """Return the server log lines that say why requests failed: the first line of each cause
+    (a channel timeout, a raylet check, a dead engine), then the latest error lines; else the tail.
+
+    A death floods the log with tracebacks: its cause must not scroll out of the window, since
+    a known failure (``E2E``) matches the tests after it only by that quoted cause."""
+    all_lines = logs.splitlines()
+    hits = [line for line in all_lines if any(word in line for word in _ERROR_WORDS)]
+    causes = [next(line for line in hits if cause in line) for cause in CAUSES if any(cause in h for h in hits)]
+    tail = [line for line in hits[-lines:] if line not in causes]
+    return "\n".join(causes + tail) or "\n".join(all_lines[-lines:])

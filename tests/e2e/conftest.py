@@ -21,9 +21,9 @@ from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
-from vllm_zerocopy_testbed.suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
-                                         REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
-                                         Reference)
+from e2e_suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
+                       REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
+                       Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -75,7 +75,7 @@ def _mark_known_failures(item: pytest.Item) -> None:
             # Only a failed check counts as the known failure; a cluster or reference that
             # cannot start (ClusterStartError and the like) stays an error.
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True,
-                                              raises=(AssertionError, pytest.fail.Exception)))
+                            raises=(AssertionError, pytest.fail.Exception)))
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import requests
 from vllm_zerocopy_testbed import nemesis as nemeses
 from vllm_zerocopy_testbed.checker import bitexact, faults, timeouts
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
-from vllm_zerocopy_testbed.suite import FAULTS, HISTORY, PROFILES, REQUEST_TIMEOUT_S, SIZES, LiveCluster, judge
+from e2e_suite import FAULTS, HISTORY, PROFILES, REQUEST_TIMEOUT_S, SIZES, LiveCluster, judge
 from vllm_zerocopy_testbed.workload.catalog import logprobs_specs
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, Record

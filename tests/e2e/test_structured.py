@@ -36,8 +36,8 @@ from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from vllm_zerocopy_testbed.model import LARGE_VOCAB, TinyModelSpec
-from vllm_zerocopy_testbed.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
-                                         LiveCluster, judge)
+from e2e_suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
+                       LiveCluster, judge)
 from vllm_zerocopy_testbed.workload.catalog import structured_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 from vllm_zerocopy_testbed.workload.runner import Runner
@@ -122,7 +122,7 @@ def test_every_request_answers_within_its_bound(structured_cluster: LiveCluster,
 
 
 def test_tokens_match_the_single_process_reference(structured_cluster: LiveCluster, structured_run,
-                                                   structured_reference) -> None:
+                                 structured_reference) -> None:
     """Any bitmask row that reached sampling other than its own changes the tokens (where the
     request was not ended for it: then the check above has it)."""
     verdict = bitexact.check([r for r in structured_run if r.ok], structured_reference, tokens_only=True,
@@ -132,7 +132,7 @@ def test_tokens_match_the_single_process_reference(structured_cluster: LiveClust
 
 
 def test_the_grammar_bitmask_is_never_rewritten_while_zmq_holds_it(structured_cluster: LiveCluster,
-                                                                   structured_run) -> None:
+                                                 structured_run) -> None:
     """The timeline: no frame written again before its release, no reader with other bytes.
 
     ``testbed`` holds ``enqueue`` until the release, so it must show none; ``upstream`` and

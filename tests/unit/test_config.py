@@ -55,3 +55,20 @@ def test_broadcast_fault_parses_a_stall_and_names_valid_values() -> None:
     for bad in ("stall", "stall:-1", "stall:0", "slow:2", "stall:x"):
         with pytest.raises(ConfigError, match=r"use stall:S \(S seconds > 0\) or nothing"):
             BroadcastFault.parse(bad)
+
+
+def test_the_e2e_run_settings_are_read_once_with_one_default_each() -> None:
+    from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, ConfigError, E2ERun
+
+    settings = ClusterSettings.from_env({"RAY_CGRAPH_get_timeout": "30"})
+    run = E2ERun.from_env(settings, {}, started="20261202-010203")
+    assert run.report_dir == REPO_ROOT / "reports/e2e-20261202-010203"
+    assert run.request_timeout_s == 90.0, "the channel timeout + 60 s: a stall ends as the server's error"
+    assert run.latency_budget == 30.0
+    run = E2ERun.from_env(settings, {"TESTBED_REPORT_DIR": "reports/x", "TESTBED_REQUEST_TIMEOUT_S": "12",
+                                     "TESTBED_LATENCY_BUDGET": "4.5"})
+    assert (run.report_dir, run.request_timeout_s, run.latency_budget) == (REPO_ROOT / "reports/x", 12.0, 4.5)
+    for name, bad in (("TESTBED_LATENCY_BUDGET", "fast"), ("TESTBED_REQUEST_TIMEOUT_S", "0"),
+                      ("TESTBED_REQUEST_TIMEOUT_S", "-3")):
+        with pytest.raises(ConfigError, match=f"{name}='{bad}' is invalid"):
+            E2ERun.from_env(settings, {name: bad})

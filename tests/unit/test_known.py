@@ -161,13 +161,11 @@ def test_the_zero_copy_signature_is_the_transport_checkers_words() -> None:
 def test_the_quoted_evidence_keeps_the_cause_when_tracebacks_flood_the_log() -> None:
     """The engine's death logs dozens of traceback lines after the channel timeout that caused it:
     the quote (the known failure's evidence) must still hold the timeout line."""
-    from types import SimpleNamespace
-
-    from vllm_zerocopy_testbed.suite import LiveCluster
+    from vllm_zerocopy_testbed.known import death_evidence
 
     log = "\n".join(["head-1 | INFO ready"] + [
         "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting for object"] + [
         f"head-1 | ERROR Traceback line {i}: RuntimeError in engine" for i in range(60)])
-    cluster = LiveCluster(SimpleNamespace(logs=lambda: log), _profile("cgraph", "upstream", "upstream"))
-    quoted = cluster.evidence(3)
+    quoted = death_evidence(log, 3)
     assert "RayChannelTimeoutError" in quoted and "line 59" in quoted and "line 10:" not in quoted
+    assert death_evidence("a\nb\nc", 2) == "b\nc", "no error line: the log's tail"

@@ -1,20 +1,22 @@
-"""What the e2e and fault suites share: run settings, the reference's answers, a profile's live cluster, the judge.
+"""What the e2e suites share: the run's settings and state, the reference's answers, a profile's
+live cluster, the judge.
 
-Fixtures live in the suites' conftest; this module holds the plain objects they
-hand to tests, so that test modules import them from one place.
+pytest glue, kept out of the library (``src/`` neither imports pytest nor holds run state):
+fixtures live in this directory's conftest; this module holds the run-wide objects they hand
+to tests, so that test modules import them from one place (``from e2e_suite import ...``).
 """
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
+
 import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.warmup import is_healthy
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, Profile, e2e_profiles
+from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, e2e_profiles
+from vllm_zerocopy_testbed.known import death_evidence
 from vllm_zerocopy_testbed.report import RunReport
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record
@@ -22,24 +24,16 @@ from vllm_zerocopy_testbed.workload.runner import Runner
 
 PROFILES, MODES_CHOSEN = e2e_profiles()
 SETTINGS = ClusterSettings.from_env()
-RUN_DIR = REPO_ROOT / (os.environ.get("TESTBED_REPORT_DIR") or f"reports/e2e-{time.strftime('%Y%m%d-%H%M%S')}")
-# Per request: past RAY_CGRAPH_get_timeout, so that a compiled-graph stall ends as the
-# server's error (and is reported with its cause) before the client gives up.
-REQUEST_TIMEOUT_S = float(os.environ.get("TESTBED_REQUEST_TIMEOUT_S",
-                                         str(float(SETTINGS.values.get("RAY_CGRAPH_get_timeout", "60")) + 60)))
-# The median of cluster/reference latency over requests sent to both back to back
-# (checker/latency.py). Measured here (docs/e2e.md, "Latency: what it catches"): V2 7.4-8.6,
-# compiled graph 8.9-12.6; 18-20 with a CPU hog beside (the reference shares the cores with
-# the cluster's ranks and is not slowed alike), hence 30: a coarse guard, stalls are judged apart.
-LATENCY_BUDGET = float(os.environ.get("TESTBED_LATENCY_BUDGET", "30"))
+RUN = E2ERun.from_env(SETTINGS)
+RUN_DIR = RUN.report_dir
+REQUEST_TIMEOUT_S = RUN.request_timeout_s
+LATENCY_BUDGET = RUN.latency_budget
 SIZES = EmbedsSizes.for_chunk(int(SETTINGS.values.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")))
 
 HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
 # Profiles whose cluster this run brought up (a `make up` cluster is used and left as found).
 STARTED_BY_RUN: set[str] = set()
-# Server-log words that name why an engine died, first occurrence quoted first (``LiveCluster.evidence``).
-CAUSES = ("RayChannelTimeoutError", "WriteAcquire", "check failed", "EngineDeadError")
 # One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
 
@@ -102,13 +96,7 @@ class LiveCluster:
     def evidence(self, lines: int = 30) -> str:
         """Return the server log lines that say why requests failed: the first line of each cause
         (a channel timeout, a raylet check, a dead engine), then the latest error lines."""
-        logs = self.backend.logs().splitlines()
-        keys = ("RayChannelTimeoutError", "EngineDeadError", "died", "Traceback", "Error", "check failed")
-        hits = [line for line in logs if any(k in line for k in keys)]
-        # A death floods the log with tracebacks: its cause must not scroll out of the window.
-        causes = [next(line for line in hits if cause in line) for cause in CAUSES if any(cause in h for h in hits)]
-        tail = [line for line in hits[-lines:] if line not in causes]
-        return "\n".join(causes + tail) or "\n".join(logs[-lines:])
+        return death_evidence(self.backend.logs(), lines)
 
 
 def match_reference(records: list[Record], reference: Reference) -> list[Verdict]:
