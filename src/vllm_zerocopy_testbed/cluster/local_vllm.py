@@ -8,18 +8,15 @@ backend is the one that shows cross-host behaviour.
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
-from vllm_zerocopy_testbed.cluster.process import stop_group
-from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
+from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
+from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.serve import serve_argv, serve_env
-from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up, warms_logprobs
+from vllm_zerocopy_testbed.cluster.warmup import warm_up, warms_logprobs
 from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
@@ -42,8 +39,7 @@ class LocalVllmCluster(Cluster):
         self.ray = LocalRayCluster(
             [RayNodeSpec(HEAD_IP, **devices), *(RayNodeSpec(ip, **devices) for ip in WORKER_IPS[:workers])]
         )
-        self._server: subprocess.Popen[bytes] | None = None
-        self._log = Path(tempfile.mkstemp(prefix="testbed-api-", suffix=".log")[1])
+        self._server = ApiServerProcess("API server", "testbed-api-")
 
     @property
     def base_url(self) -> str:
@@ -51,7 +47,7 @@ class LocalVllmCluster(Cluster):
 
     def is_running(self) -> bool:
         """Return whether this object's server is up (a local cluster is never shared)."""
-        return self._server is not None and self._server.poll() is None
+        return self._server.running()
 
     def up(self) -> float:
         """Start Ray nodes and the API server; wait (bounded) for ``/health``; return seconds."""
@@ -64,38 +60,24 @@ class LocalVllmCluster(Cluster):
         env = {**os.environ, **values, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
                "TESTBED_RAY_DRIVER_IP": HEAD_IP,  # the engine is the head node's driver
                "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
-        with open(self._log, "wb") as out:
-            self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        self._wait_healthy(start + self.up_timeout)
+        self._server.start(argv, env)
+        self._server.wait_healthy(self.base_url.removesuffix("/v1"), max(0.0, start + self.up_timeout - time.monotonic()),
+                                  poll_s=2)
         # Up means warmed up, as in the compose head: the first request compiles.
         warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
                 timeout=max(1.0, start + self.up_timeout - time.monotonic()),
                 logprobs=warms_logprobs(self.settings.executor.value, self.settings.values.get("TESTBED_INFLIGHT", "testbed")))
         return time.monotonic() - start
 
-    def _wait_healthy(self, deadline: float) -> None:
-        url = self.base_url.removesuffix("/v1")
-        while not is_healthy(url):
-            assert self._server is not None
-            if self._server.poll() is not None:
-                raise ClusterStartError(f"API server exited ({self._server.returncode})\n{self.logs(tail=60)}")
-            if time.monotonic() > deadline:
-                raise ClusterStartError(f"API server not healthy within {self.up_timeout:.0f} s\n{self.logs(tail=60)}")
-            time.sleep(2)
-
     def down(self) -> None:
-        stop_group(self._server)
-        self._server = None
+        self._server.stop()
         self.ray.stop()
 
     def leftovers(self) -> list[str]:
-        found = [f"API server pid {self._server.pid} still running"] if self.is_running() else []
-        return found + self.ray.leftovers()
+        return self._server.leftover() + self.ray.leftovers()
 
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
-        lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
-        return "\n".join(lines[-tail:] if tail else lines)
+        return self._server.logs(tail)
 
     def placement(self) -> list[RankPlacement]:
         nodes = {HEAD_IP: "head", **{ip: f"worker-{i + 1}" for i, ip in enumerate(WORKER_IPS)}}

@@ -6,8 +6,9 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from typing import Callable, Mapping
+
+from vllm_zerocopy_testbed.waits import wait_until
 
 _PROBE = (
     "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
@@ -46,17 +47,14 @@ def wait_for_nodes(
     ``abort`` is asked on every poll; a message from it ends the wait early
     (``RuntimeError``), e.g. when a node process we started has exited.
     """
-    deadline = time.monotonic() + timeout
-    seen = 0
-    while time.monotonic() < deadline:
-        reason = abort()
-        if reason:
-            raise RuntimeError(reason)
-        seen = alive_nodes(address, env)
-        if seen >= count:
-            return seen
-        time.sleep(1.0)
-    raise TimeoutError(f"{seen} of {count} Ray nodes alive at {address} after {timeout:.0f} s")
+    seen = [0]
+
+    def enough() -> int:
+        seen[0] = alive_nodes(address, env)
+        return seen[0] if seen[0] >= count else 0
+
+    return wait_until(f"{count} Ray nodes alive at {address}", enough, timeout=timeout, abort=abort,
+                      progress=lambda: f"{seen[0]} of {count} alive")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,20 +6,16 @@ identical) and measure latency budgets relative to it, in the same run.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
-from typing import Iterator
+from typing import ContextManager
 
-from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
-from vllm_zerocopy_testbed.cluster.interface import ClusterStartError, Service
+from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
+from vllm_zerocopy_testbed.cluster.interface import Service
 from vllm_zerocopy_testbed.cluster.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
-from vllm_zerocopy_testbed.cluster.warmup import is_healthy, warm_up
+from vllm_zerocopy_testbed.cluster.warmup import warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
 
@@ -38,9 +34,7 @@ class ReferenceServer(Service):
         self.port = port
         self.spec = spec
         self.up_timeout = up_timeout
-        self._server: subprocess.Popen[bytes] | None = None
-        self._paused = False
-        self._log = Path(tempfile.mkstemp(prefix="testbed-reference-", suffix=".log")[1])
+        self._server = ApiServerProcess("reference server", "testbed-reference-")
         self._shm = ShmSnapshot.take()
 
     @property
@@ -58,55 +52,34 @@ class ReferenceServer(Service):
         # reserves 92% of the host's memory and refuses to start when less is free), and one
         # thread, unbound: the cluster's nodes have one core each.
         env = {**os.environ, **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        with open(self._log, "wb") as out:
-            self._server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        deadline = start + self.up_timeout
+        self._server.start(argv, env)
         url = self.base_url.removesuffix("/v1")
-        while not is_healthy(url):
-            if self._server.poll() is not None:
-                raise ClusterStartError(f"reference server exited ({self._server.returncode})\n{self.logs(60)}")
-            if time.monotonic() > deadline:
-                raise ClusterStartError(f"reference server not healthy in {self.up_timeout:.0f} s\n{self.logs(60)}")
-            time.sleep(1)
-        warm_up(url, self.settings["TESTBED_SERVED_MODEL"], timeout=max(1.0, deadline - time.monotonic()),
+        self._server.wait_healthy(url, self.up_timeout)
+        warm_up(url, self.settings["TESTBED_SERVED_MODEL"], timeout=max(1.0, start + self.up_timeout - time.monotonic()),
                 logprobs=True)
         return time.monotonic() - start
 
     def pause(self) -> None:
-        """Stop the whole server (SIGSTOP to its process group): idle, it still polls (~10% of a
+        """Stop the whole server (SIGSTOP to its process group): idle, it still polls (10.5% of a
         core, measured), between the cluster's pinned ranks; ``awake`` runs it for one request."""
-        self._paused = pause_group(self._server)
+        self._server.pause()
 
     def resume(self) -> None:
         """Let a paused server run again (SIGCONT); nothing if it is not paused."""
-        if self._paused:
-            resume_group(self._server)
-        self._paused = False
+        self._server.resume()
 
-    @contextlib.contextmanager
-    def awake(self) -> Iterator[None]:
+    def awake(self) -> ContextManager[None]:
         """Run the server for the block; paused again after it if it was paused before."""
-        was_paused = self._paused
-        self.resume()
-        try:
-            yield
-        finally:
-            if was_paused:
-                self.pause()
+        return self._server.awake()
 
     def down(self) -> None:
         """Stop the server's process group (bounded) and remove the /dev/shm files it left."""
-        self.resume()  # a stopped process acts on SIGTERM only once continued
-        stop_group(self._server)
-        self._server = None
+        self._server.stop()
         self._shm.remove_new()
 
     def leftovers(self) -> list[str]:
         """Return what the server left behind after ``down``: its process, /dev/shm files."""
-        found = [f"reference server pid {self._server.pid}"] if self._server and self._server.poll() is None else []
-        return found + [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
+        return self._server.leftover() + [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
 
     def logs(self, tail: int | None = None) -> str:
-        lines = self._log.read_text(errors="replace").splitlines() if self._log.exists() else []
-        return "\n".join(lines[-tail:] if tail else lines)
+        return self._server.logs(tail)

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_zerocopy_testbed.waits import wait_until
+
 
 def is_healthy(url: str) -> bool:
     """Return whether the server at ``url`` (no ``/v1``) answers ``/health`` with 200 within 3 s."""
@@ -43,10 +45,7 @@ def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, mod
     must be the ones to show that.
     """
     deadline = time.monotonic() + timeout
-    while not is_healthy(url):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health not answering after {timeout:.0f} s")
-        time.sleep(2)
+    wait_until(f"{url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=2)
     start = time.monotonic()
     plain = {"model": model, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
     _complete(url, plain, deadline)
