@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vllm_zerocopy_testbed.cluster import watchdog
+from vllm_zerocopy_testbed.node import watchdog
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(300)]
@@ -29,7 +29,7 @@ def two_nodes():
 
 
 def _start(address: str, server: subprocess.Popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vllm_zerocopy_testbed.cluster.watchdog", "--address", address,
+    return subprocess.Popen([sys.executable, "-m", "vllm_zerocopy_testbed.node.watchdog", "--address", address,
                              "--nodes", "2", "--server-pid", str(server.pid), "--grace", "2", "--node-ip", "127.0.0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.cluster.warmup import is_healthy
+from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, e2e_profiles
 from vllm_zerocopy_testbed.known import death_evidence
 from vllm_zerocopy_testbed.report import RunReport

@@ -15,7 +15,7 @@ from typing import Iterator, Mapping, Sequence
 
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
-from vllm_zerocopy_testbed.cluster.warmup import is_healthy
+from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 
 

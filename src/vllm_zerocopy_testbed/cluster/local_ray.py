@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from vllm_zerocopy_testbed.cluster import ray_nodes
+from vllm_zerocopy_testbed.node import ray_nodes
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 

@@ -15,8 +15,8 @@ from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
-from vllm_zerocopy_testbed.cluster.serve import serve_argv, serve_env
-from vllm_zerocopy_testbed.cluster.warmup import warm_up, warms_logprobs
+from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env
+from vllm_zerocopy_testbed.node.warmup import warm_up, warms_logprobs
 from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 

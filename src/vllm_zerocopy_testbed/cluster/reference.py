@@ -13,9 +13,9 @@ from typing import ContextManager
 
 from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Service
-from vllm_zerocopy_testbed.cluster.serve import serve_argv
+from vllm_zerocopy_testbed.node.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
-from vllm_zerocopy_testbed.cluster.warmup import warm_up
+from vllm_zerocopy_testbed.node.warmup import warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
 
