@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -336,8 +337,6 @@ class E2ERun:
     def from_env(cls, settings: "ClusterSettings", env: Mapping[str, str] | None = None,
                  started: str | None = None) -> "E2ERun":
         """``started``: the run's time stamp for the default report directory (``%Y%m%d-%H%M%S``)."""
-        import time
-
         env = os.environ if env is None else env
         stamp = started or time.strftime("%Y%m%d-%H%M%S")
         # Past RAY_CGRAPH_get_timeout, so that a compiled-graph stall ends as the server's error

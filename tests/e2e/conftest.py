@@ -75,7 +75,7 @@ def _mark_known_failures(item: pytest.Item) -> None:
             # Only a failed check counts as the known failure; a cluster or reference that
             # cannot start (ClusterStartError and the like) stays an error.
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True,
-                            raises=(AssertionError, pytest.fail.Exception)))
+                                              raises=(AssertionError, pytest.fail.Exception)))
 
 
 @pytest.fixture(scope="session")
@@ -84,14 +84,14 @@ def reference() -> Iterator[Reference]:
     keep it up for the session: the latency checks pair each cluster request with it."""
     specs = reference_specs(SIZES, int(SETTINGS["TESTBED_MAX_NUM_SEQS"]))
     with ReferenceServer(SETTINGS) as server:
-        runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
+        runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S,
+                        awake=server.awake)
         records = runner.run("reference", specs)
         verdict = timeouts.check(records)
         if not verdict.ok:
             pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")
         # Paused between its requests: idle, it polls on the cluster's cores (~10% of one).
         server.pause()
-        runner.awake = server.awake
         yield Reference(first_answers(records), records, runner)
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
 

@@ -37,6 +37,7 @@ STARTED_BY_RUN: set[str] = set()
 # One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
 
+
 @dataclass
 class Reference:
     """The single-process server's answers (first per key) and every record; ``runner`` sends to it

@@ -122,7 +122,7 @@ def test_every_request_answers_within_its_bound(structured_cluster: LiveCluster,
 
 
 def test_tokens_match_the_single_process_reference(structured_cluster: LiveCluster, structured_run,
-                                 structured_reference) -> None:
+                                                   structured_reference) -> None:
     """Any bitmask row that reached sampling other than its own changes the tokens (where the
     request was not ended for it: then the check above has it)."""
     verdict = bitexact.check([r for r in structured_run if r.ok], structured_reference, tokens_only=True,
@@ -132,7 +132,7 @@ def test_tokens_match_the_single_process_reference(structured_cluster: LiveClust
 
 
 def test_the_grammar_bitmask_is_never_rewritten_while_zmq_holds_it(structured_cluster: LiveCluster,
-                                                 structured_run) -> None:
+                                                                   structured_run) -> None:
     """The timeline: no frame written again before its release, no reader with other bytes.
 
     ``testbed`` holds ``enqueue`` until the release, so it must show none; ``upstream`` and

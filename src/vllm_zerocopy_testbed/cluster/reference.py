@@ -64,10 +64,6 @@ class ReferenceServer(Service):
         core, measured), between the cluster's pinned ranks; ``awake`` runs it for one request."""
         self._server.pause()
 
-    def resume(self) -> None:
-        """Let a paused server run again (SIGCONT); nothing if it is not paused."""
-        self._server.resume()
-
     def awake(self) -> ContextManager[None]:
         """Run the server for the block; paused again after it if it was paused before."""
         return self._server.awake()

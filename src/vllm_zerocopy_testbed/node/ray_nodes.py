@@ -47,14 +47,15 @@ def wait_for_nodes(
     ``abort`` is asked on every poll; a message from it ends the wait early
     (``RuntimeError``), e.g. when a node process we started has exited.
     """
-    seen = [0]
+    seen = 0
 
     def enough() -> int:
-        seen[0] = alive_nodes(address, env)
-        return seen[0] if seen[0] >= count else 0
+        nonlocal seen
+        seen = alive_nodes(address, env)
+        return seen if seen >= count else 0
 
     return wait_until(f"{count} Ray nodes alive at {address}", enough, timeout=timeout, abort=abort,
-                      progress=lambda: f"{seen[0]} of {count} alive")
+                      progress=lambda: f"{seen} of {count} alive")
 
 
 def main(argv: list[str] | None = None) -> None:
