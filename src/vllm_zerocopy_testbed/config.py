@@ -345,3 +345,38 @@ class E2ERun:
         return cls(report_dir=REPO_ROOT / (env.get(REPORT_DIR_ENV, "").strip() or f"reports/e2e-{stamp}"),
                    request_timeout_s=_positive_float(env, REQUEST_TIMEOUT_ENV, channel_timeout + 60),
                    latency_budget=_positive_float(env, LATENCY_BUDGET_ENV, DEFAULT_LATENCY_BUDGET))
+
+
+# -- the process environment, for what is not a testbed knob ------------------------------------
+def process_env(**extra: str) -> dict[str, str]:
+    """A copy of this process's environment plus ``extra``: what a child process we start gets."""
+    return {**os.environ, **extra}
+
+
+def set_process_env(name: str, value: str) -> None:
+    """Set one variable for this process and its children (a harness choosing vLLM's executor)."""
+    os.environ[name] = value
+
+
+VLLM_V2_EXECUTOR_ENV = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
+
+
+def vllm_uses_compiled_graph(env: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM in this process runs the compiled-graph Ray executor (its default: V2)."""
+    env = os.environ if env is None else env
+    return env.get(VLLM_V2_EXECUTOR_ENV, "1").strip().lower() in ("0", "false")
+
+
+def ray_address(env: Mapping[str, str] | None = None) -> str:
+    """The Ray cluster this process joins (``RAY_ADDRESS``; Ray's own default ``auto``)."""
+    env = os.environ if env is None else env
+    return env.get("RAY_ADDRESS", "auto")
+
+
+LOCAL_BASE_IMAGE = "testbed-base:bookworm"
+
+
+def base_image(env: Mapping[str, str] | None = None) -> str:
+    """The node image's base (``BASE_IMAGE``): built here unless a public one is named."""
+    env = os.environ if env is None else env
+    return env.get("BASE_IMAGE", LOCAL_BASE_IMAGE) or LOCAL_BASE_IMAGE

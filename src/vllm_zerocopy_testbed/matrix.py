@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_zerocopy_testbed.config import REPO_ROOT, PatchMode
+from vllm_zerocopy_testbed.config import REPO_ROOT, PatchMode, process_env
 
 DEFAULT_VERSIONS = ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 # The tests that tell the releases apart (the whole component suite would take ~10 min per
@@ -122,7 +121,7 @@ def run_version(python: Path, version: str, out: Path, suite_timeout: float) -> 
         facts = json.loads(probe.stdout.strip().splitlines()[-1])
         result.has_oob_fix, result.has_detach_fix = facts["oob"], facts["detach"]
     junit = out / f"component-{version}.xml"
-    env = {k: v for k, v in os.environ.items() if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH")}
+    env = {k: v for k, v in process_env().items() if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH")}
     try:
         proc = _run([str(python), "-m", "pytest", "-m", "component", *SUITES, "-p", "no:cacheprovider", "-q",
                      f"--junitxml={junit}"], timeout=suite_timeout, cwd=REPO_ROOT, env=env)

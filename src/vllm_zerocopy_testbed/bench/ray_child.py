@@ -9,10 +9,11 @@ JSON line and leaves with ``os._exit``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import Any, Callable, Sequence
+
+from vllm_zerocopy_testbed.config import process_env
 
 
 def run_driver(nodes: Sequence[Any], call: str, *, name: str, note: Callable[[str], None],
@@ -24,7 +25,7 @@ def run_driver(nodes: Sequence[Any], call: str, *, name: str, note: Callable[[st
     with LocalRayCluster(list(nodes)) as cluster:
         code = f"ADDRESS = {cluster.address!r}; {call}"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "RAY_ADDRESS": cluster.address})
+                              env=process_env(RAY_ADDRESS=cluster.address))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     if not lines:
         stderr = proc.stderr.strip()

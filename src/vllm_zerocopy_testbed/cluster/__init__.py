@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend
+from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend, process_env
 
 
 def cluster_from_env(up_timeout: float = 600.0, overrides: Mapping[str, str] | None = None) -> Cluster:
     """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names, settings overridden."""
-    settings = ClusterSettings.from_env({**os.environ, **(overrides or {})})
+    settings = ClusterSettings.from_env(process_env(**(overrides or {})))
     if cluster_backend() == "local":
         from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster
 

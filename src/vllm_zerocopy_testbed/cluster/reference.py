@@ -6,7 +6,6 @@ identical) and measure latency budgets relative to it, in the same run.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from typing import ContextManager
@@ -16,7 +15,7 @@ from vllm_zerocopy_testbed.cluster.interface import Service
 from vllm_zerocopy_testbed.node.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.node.warmup import warm_up
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
 
 HOST = "127.0.0.1"
@@ -51,7 +50,7 @@ class ReferenceServer(Service):
         # The cluster's settings (VLLM_CPU_KVCACHE_SPACE above all: without it vLLM-CPU
         # reserves 92% of the host's memory and refuses to start when less is free), and one
         # thread, unbound: the cluster's nodes have one core each.
-        env = {**os.environ, **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        env = {**process_env(), **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
         self._server.start(argv, env)
         url = self.base_url.removesuffix("/v1")
         self._server.wait_healthy(url, self.up_timeout)

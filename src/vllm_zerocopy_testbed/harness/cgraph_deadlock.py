@@ -35,10 +35,11 @@ Exit status: 0 if every get answered, 1 on the deadlock.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
+
+from vllm_zerocopy_testbed.config import VLLM_V2_EXECUTOR_ENV, set_process_env
 
 DRIVER_IP, RANK_IP = "127.0.0.2", "127.0.0.3"
 
@@ -112,9 +113,8 @@ def vllm_inflight(pp: int = 2, tp: int = 2) -> int:
     """Return the executions vLLM's engine keeps in flight on a compiled-graph PP x TP Ray cluster,
     with the general plugins loaded as vLLM loads them in its engine-core process."""
     import multiprocessing
-    import os
 
-    os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"  # the compiled-graph executor
+    set_process_env(VLLM_V2_EXECUTOR_ENV, "0")  # the compiled-graph executor
     multiprocessing.current_process().name = "EngineCore_DP0"  # the role plugins act on
     from vllm.plugins import load_general_plugins
 
@@ -124,11 +124,9 @@ def vllm_inflight(pp: int = 2, tp: int = 2) -> int:
 
 def compiled_graph_inflight(pp: int = 2, tp: int = 2) -> int:
     """``max_concurrent_batches`` of a compiled-graph PP x TP Ray ``VllmConfig``, in this process's modes."""
-    import os
-
     from vllm.config import ParallelConfig, VllmConfig
 
-    os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "0"
+    set_process_env(VLLM_V2_EXECUTOR_ENV, "0")
     return VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                                      distributed_executor_backend="ray")).max_concurrent_batches
 

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 from vllm_zerocopy_testbed.known import COMPONENT
 from vllm_zerocopy_testbed.mutants import overlay
 from vllm_zerocopy_testbed.mutants.catalog import Mutant
@@ -88,7 +88,7 @@ def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Pa
     """Run pytest on ``tests`` (``-k select``), stopping at the first failure; bounded."""
     workdir.mkdir(parents=True, exist_ok=True)
     junit = workdir / "junit.xml"
-    env = {k: v for k, v in os.environ.items() if k not in MODE_ENVS}
+    env = {k: v for k, v in process_env().items() if k not in MODE_ENVS}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",

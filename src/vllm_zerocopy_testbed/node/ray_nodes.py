@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from typing import Callable, Mapping
 
+from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.waits import wait_until
 
 _PROBE = (
@@ -24,7 +24,7 @@ def alive_nodes(address: str, env: Mapping[str, str] | None = None) -> int:
     try:
         out = subprocess.run(
             [sys.executable, "-c", _PROBE, address],
-            env=dict(os.environ if env is None else env),
+            env=process_env() if env is None else dict(env),
             capture_output=True,
             timeout=30,
             text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 
 # PP on CPU: --enforce-eager leaves stage 2 without intermediate tensors (the CPU
 # warm-up that allocates them is skipped); compilation mode 2 with the eager backend
@@ -53,7 +53,7 @@ def main() -> None:
     """Replace this process with the API server (the head container's last step)."""
     settings = ClusterSettings.from_env()
     argv = serve_argv(settings, host="0.0.0.0", port=8000)
-    os.execve(argv[0], argv, {**os.environ, **serve_env(settings)})
+    os.execve(argv[0], argv, process_env(**serve_env(settings)))
 
 
 if __name__ == "__main__":

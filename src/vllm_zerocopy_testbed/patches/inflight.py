@@ -27,10 +27,9 @@ must enter the driver's node through its raylet).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
-from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.config import PatchMode, vllm_uses_compiled_graph
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
 _mode = PatchMode.UPSTREAM  # vLLM's own value until ``apply``
@@ -54,7 +53,7 @@ def needed(vllm_config: Any) -> bool:
     """Whether ``vllm_config`` runs the compiled-graph Ray executor with PP >= 2 and TP >= 2 on
     more than one Ray node: the deadlock's conditions."""
     parallel = vllm_config.parallel_config
-    cgraph = os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1").strip() in ("0", "false", "False")
+    cgraph = vllm_uses_compiled_graph()
     return (parallel.distributed_executor_backend == "ray" and cgraph
             and parallel.pipeline_parallel_size >= 2 and parallel.tensor_parallel_size >= 2
             and several_ray_nodes())

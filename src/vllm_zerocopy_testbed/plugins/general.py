@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import sys
 
-from vllm_zerocopy_testbed.config import TestbedConfig
+from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
 from vllm_zerocopy_testbed.patches import apply_modes, slowdown, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
@@ -71,4 +71,4 @@ def _join_ray_as(node_ip: str) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), _node_ip_address=node_ip)
+        ray.init(address=ray_address(), _node_ip_address=node_ip)
