@@ -26,7 +26,7 @@ MODES ?=
 RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
 RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
-E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest tests/e2e --junitxml=reports/$(RUN)/junit.xml
+E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick mutants
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
@@ -57,7 +57,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~10 min on 2
 	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
-	$(E2E_PYTEST) -m e2e $(PYTEST_ARGS)
+	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
 bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
 	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
@@ -68,11 +68,11 @@ bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e onl
 # Each fault run costs cluster recoveries: one profile unless named (make faults EXECUTOR="v2 cgraph").
 faults: EXECUTOR = v2
 faults: MODES = testbed
-faults: $(E2E_DEPS) ## bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery (docs/faults.md)
-	$(E2E_PYTEST) -m faults $(PYTEST_ARGS)
+faults: $(E2E_DEPS) ## tests/faults: bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
+	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
-	$(E2E_PYTEST) -m smoke $(PYTEST_ARGS)
+	$(E2E_PYTEST) tests/e2e -m smoke $(PYTEST_ARGS)
 
 mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)

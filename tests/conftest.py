@@ -17,6 +17,9 @@ from packaging.version import Version
 from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.known import COMPONENT, judge_report
 
+# The live-cluster suites' fixtures and hooks (tests/e2e, tests/faults), registered once.
+pytest_plugins = ["live.plugin"]
+
 UPSTREAM = PatchMode.UPSTREAM
 
 

@@ -1,8 +1,12 @@
-"""Nemeses: what goes wrong on purpose, on the compose cluster, while a workload runs.
+"""Nemeses: what goes wrong on purpose, on any ``Cluster`` backend, while a workload runs.
 
-Each nemesis has ``apply`` (at the fault time) and ``heal`` (after the checker's
-window: what an operator would undo, e.g. unpause, reconnect). Recovery itself
-is the cluster's job (restart policies, the head's watchdog) or ``make up``'s.
+A nemesis is data: a name, what it does, the node it targets, and two steps over the
+``Cluster`` interface: ``apply`` at the fault time and ``heal`` after the hold (what an
+operator would undo: resume, rejoin). ``run`` is the schedule: the workload streams, the
+nemesis applies after ``lead_s``, holds ``hold_s`` and heals; each step is an ``Event`` in
+the same ``History`` as the requests, so checkers read the fault time from data.
+Recovery itself is the cluster's job (restart policies, the head's watchdog) or
+``cluster.up()``'s (``recovery.recover``).
 """
 
 from __future__ import annotations
@@ -11,60 +15,97 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
+from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
+from vllm_zerocopy_testbed.workload.requests import Event, History
+from vllm_zerocopy_testbed.workload.stream import Stream
 
 # Longer than Ray's node-death detection and the watchdog's grace: the fault is a loss, not a blip.
 HOLD_S = 45.0
+# The promise the fault checker holds every request to: it ends within this of a node loss.
+BOUND_S = 60.0
+RAY_WORKER_ACTOR = "ray::RayWorker"  # RayWorkerProc (V2) or RayWorkerWrapper (compiled graph)
 
 
 @dataclass(frozen=True)
 class Nemesis:
     name: str
     what: str
-    apply: Callable[[ComposeCluster], None]
-    heal: Callable[[ComposeCluster], None] = lambda cluster: None
+    target: str
+    apply: Callable[[Cluster, str], None]
+    heal: Callable[[Cluster, str], None] = lambda cluster, node: None
+    needs: tuple[str, ...] = ()  # the Cluster operations it calls
 
     def __str__(self) -> str:
         return self.name
 
-
-def _pause_then_hold(cluster: ComposeCluster) -> None:
-    cluster.pause("worker")
-
-
-def _unpause(cluster: ComposeCluster) -> None:
-    if cluster.state("worker") == "paused":
-        cluster.unpause("worker")
-
-
-def _reconnect(cluster: ComposeCluster) -> None:
-    if cluster.state("worker") == "running":
-        cluster.connect("worker")
+    def cannot(self, cluster: Cluster) -> str | None:
+        """Why ``cluster``'s backend cannot run this nemesis, or None."""
+        for op in self.needs:
+            reason = cluster.cannot(op)
+            if reason:
+                return reason
+        return None
 
 
-def _kill_head_ray_worker(cluster: ComposeCluster) -> None:
-    killed = cluster.kill_process("head", "ray::RayWorker")  # RayWorkerProc (V2) or RayWorkerWrapper (cgraph)
-    if not killed:
-        raise RuntimeError("no Ray worker actor process found in the head container")
+def _kill_ray_worker_actor(cluster: Cluster, node: str) -> None:
+    if not cluster.kill_process(node, RAY_WORKER_ACTOR):
+        raise RuntimeError(f"no Ray worker actor process ({RAY_WORKER_ACTOR}) found on {node}")
 
 
 NEMESES = (
-    Nemesis("kill-worker-node", "docker kill of the worker node container (PP stage 1)",
-            lambda c: c.kill("worker")),
-    Nemesis("kill-ray-worker-actor", "SIGKILL of the head's Ray worker actor processes (PP stage 0)",
-            _kill_head_ray_worker),
-    Nemesis("pause-worker-node", f"docker pause of the worker node for {HOLD_S:.0f} s (longer than the step bound)",
-            _pause_then_hold, _unpause),
-    Nemesis("disconnect-worker-node", f"worker node off the cluster network for {HOLD_S:.0f} s",
-            lambda c: c.disconnect("worker"), _reconnect),
-    Nemesis("restart-worker-node", "docker restart of the worker node (10 s grace)", lambda c: c.restart("worker")),
+    Nemesis("kill-worker-node", "every process of the worker node killed at once (PP stage 1)", "worker",
+            lambda c, n: c.kill(n), needs=("kill",)),
+    Nemesis("kill-ray-worker-actor", "SIGKILL of the head's vLLM Ray worker actor processes (PP stage 0)", "head",
+            _kill_ray_worker_actor, needs=("kill_process",)),
+    Nemesis("pause-worker-node", f"the worker node frozen for {HOLD_S:.0f} s (longer than the step bound)", "worker",
+            lambda c, n: c.pause(n), lambda c, n: c.resume(n), needs=("pause", "resume")),
+    Nemesis("disconnect-worker-node", f"the worker node off the cluster network for {HOLD_S:.0f} s", "worker",
+            lambda c, n: c.isolate(n), lambda c, n: c.rejoin(n), needs=("isolate", "rejoin")),
+    Nemesis("restart-worker-node", "the worker node stopped and started again", "worker",
+            lambda c, n: c.restart(n), needs=("restart",)),
 )
 
 
 def by_name(name: str) -> Nemesis:
-    return next(n for n in NEMESES if n.name == name)
+    for nemesis in NEMESES:
+        if nemesis.name == name:
+            return nemesis
+    raise LookupError(f"no nemesis {name!r}; known: {', '.join(n.name for n in NEMESES)}")
 
 
-def hold() -> None:
-    """Wait the fault's hold time (the faults stay on while the checker's window runs)."""
-    time.sleep(HOLD_S)
+@dataclass(frozen=True)
+class Schedule:
+    lead_s: float = 5.0  # the workload runs this long before the fault
+    hold_s: float = HOLD_S  # the fault stays this long, then is healed
+    bound_s: float = BOUND_S  # requests keep starting this long after the fault
+
+
+def run(cluster: Cluster, nemesis: Nemesis, stream: Stream, history: History, profile: str,
+        schedule: Schedule = Schedule(), *, join_s: float = 120.0) -> Event:
+    """Run ``stream`` beside ``nemesis`` on ``schedule``; return the apply event (its time is the
+    fault's). The heal runs, and the stream is stopped and joined (``join_s``), also when the
+    nemesis raised: then a ``failed`` event is recorded and the error raised."""
+
+    def note(phase: str, at: float, detail: str = "") -> Event:
+        return history.add_event(Event(at, nemesis.name, phase, nemesis.target, profile, detail))
+
+    stream.start()
+    time.sleep(schedule.lead_s)
+    applied = note("apply", time.time())  # the fault time: when we began to apply it
+    stream.stop(applied.at + schedule.bound_s)
+    failure: BaseException | None = None
+    try:
+        nemesis.apply(cluster, nemesis.target)
+        time.sleep(max(0.0, applied.at + schedule.hold_s - time.time()))
+    except (Exception, Unsupported) as exc:
+        failure = exc
+        note("failed", time.time(), f"{type(exc).__name__}: {exc}")
+    try:
+        nemesis.heal(cluster, nemesis.target)
+        note("heal", time.time())
+    finally:
+        stream.stop(min(stream.stop_at, time.time()) if failure else stream.stop_at)
+        stream.join(join_s)
+    if failure is not None:
+        raise failure
+    return applied

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.checker.latency import summary
-from vllm_zerocopy_testbed.workload.requests import Record
+from vllm_zerocopy_testbed.workload.requests import Event, Record
 
 # Worst first: a suite's cell shows the worst outcome among its tests.
 _SEVERITY = ("failed", "error", "xpassed", "xfailed", "passed", "skipped")
@@ -85,8 +86,9 @@ class RunReport:
             lines.append("| " + " | ".join(row) + " |")
         return "\n".join(lines)
 
-    def write(self, run_dir: Path, records: Iterable[Record]) -> list[Path]:
-        """Write ``results.json`` and ``report.md`` under ``run_dir``; return their paths."""
+    def write(self, run_dir: Path, records: Iterable[Record], events: Iterable[Event] = ()) -> list[Path]:
+        """Write ``results.json`` (``history``: the records; ``events``: what nemeses did) and
+        ``report.md`` under ``run_dir``; return their paths."""
         records = list(records)
         run_dir.mkdir(parents=True, exist_ok=True)
         data = {
@@ -94,6 +96,7 @@ class RunReport:
             "results": [asdict(r) for r in self.results],
             "cells": [{"suite": s, "profile": p, **c} for (s, p), c in self.cells(records).items()],
             "history": [r.to_json() for r in records],
+            "events": [e.to_json() for e in events],
         }
         results_json = run_dir / "results.json"
         results_json.write_text(json.dumps(data, indent=1))
@@ -128,6 +131,22 @@ def faults_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['last_end_s']:.1f} s{verdict} | {health} | {r['recovered']} in {r['recovery_s']:.0f} s | "
                      f"{'yes' if r['bit_exact_after'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def fault_row(nemesis: str, what: str, backend: str, bound: Verdict, records: Iterable[Record], fault_at: float,
+              unhealthy_after_s: float | None, recovered: str, recovery_s: float, bit_exact_after: bool) -> dict[str, Any]:
+    """One row of ``faults.json``: what the nemesis did and how the cluster took it (seconds after the fault)."""
+    errors = sorted({(r.error or "")[:120] for r in records if not r.ok and r.started + r.latency_s >= fault_at})
+    figures = bound.figures
+    return {
+        "nemesis": nemesis, "what": what, "backend": backend, "bound_s": figures.get("bound_s", 0.0),
+        "requests": int(figures.get("requests", 0)), "failed": int(figures.get("failed", 0)),
+        "first_error_s": round(figures.get("first_error_s", -1.0), 1),
+        "last_end_s": round(figures.get("last_end_s", 0.0), 1), "within_bound": bound.ok,
+        "unhealthy_after_s": round(unhealthy_after_s, 1) if unhealthy_after_s is not None else None,
+        "recovered": recovered, "recovery_s": round(recovery_s, 1), "bit_exact_after": bit_exact_after,
+        "errors": errors[:3],
+    }
 
 
 def write_faults(run_dir: Path, rows: list[dict[str, Any]]) -> list[Path]:

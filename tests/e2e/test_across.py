@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import bitexact
-from e2e_suite import HISTORY, PROFILES
+from live.suite import HISTORY, PROFILES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.suite("across"), pytest.mark.timeout(60)]
 

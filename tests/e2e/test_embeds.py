@@ -13,7 +13,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts, transport
 from vllm_zerocopy_testbed.config import Executor
-from e2e_suite import SIZES, LiveCluster, Reference, judge, match_reference, within_budget
+from live.suite import SIZES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import embeds_batch_specs, embeds_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 

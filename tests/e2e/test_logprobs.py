@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
-from e2e_suite import PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
+from live.suite import PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
 from vllm_zerocopy_testbed.workload.requests import Record

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import bitexact, timeouts
-from e2e_suite import SIZES, LiveCluster, Reference, judge
+from live.suite import SIZES, LiveCluster, Reference, judge
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 

@@ -6,7 +6,7 @@ import pytest
 from openai import OpenAI
 
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
-from e2e_suite import REQUEST_TIMEOUT_S
+from live.suite import REQUEST_TIMEOUT_S
 from vllm_zerocopy_testbed.workload.embeds import encode, rows_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smoke, pytest.mark.suite("smoke"), pytest.mark.timeout(1500)]

@@ -36,7 +36,7 @@ from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from vllm_zerocopy_testbed.model import LARGE_VOCAB, TinyModelSpec
-from e2e_suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
+from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
                        LiveCluster, judge)
 from vllm_zerocopy_testbed.workload.catalog import structured_specs
 from vllm_zerocopy_testbed.workload.requests import Record

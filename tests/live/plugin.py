@@ -1,4 +1,5 @@
-"""e2e: the single-process reference first, then one cluster per profile, a report at the end.
+"""The live-cluster suites (e2e, faults): the single-process reference first, then one cluster
+per profile, a report at the end.
 
 Profiles are executor x modes (``TESTBED_E2E_EXECUTORS``, ``TESTBED_E2E_MODES``;
 ``make e2e EXECUTOR=... MODES=...``). Each profile's cluster is brought up once,
@@ -21,7 +22,7 @@ from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
-from e2e_suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
+from live.suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
                        REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
                        Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
@@ -29,7 +30,8 @@ from vllm_zerocopy_testbed.workload.runner import Runner
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "profile" in metafunc.fixturenames:
+    # Only the live suites' tests (marked with their report row) run once per profile.
+    if "profile" in metafunc.fixturenames and metafunc.definition.get_closest_marker("suite"):
         metafunc.parametrize("profile", PROFILES, ids=str, scope="session")
 
 
@@ -138,7 +140,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not REPORT.results:
         return
-    written = REPORT.write(RUN_DIR, HISTORY.records())
+    written = REPORT.write(RUN_DIR, HISTORY.records(), HISTORY.events())
     terminalreporter.section("vllm-zerocopy-testbed e2e report")
     terminalreporter.write_line(REPORT.table(HISTORY.records()))
     if FAULTS:

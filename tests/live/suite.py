@@ -2,8 +2,8 @@
 live cluster, the judge.
 
 pytest glue, kept out of the library (``src/`` neither imports pytest nor holds run state):
-fixtures live in this directory's conftest; this module holds the run-wide objects they hand
-to tests, so that test modules import them from one place (``from e2e_suite import ...``).
+fixtures and hooks live in ``live/plugin.py``; this module holds the run-wide objects they hand
+to tests, so that test modules import them from one place (``from live.suite import ...``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
 # Profiles whose cluster this run brought up (a `make up` cluster is used and left as found).
 STARTED_BY_RUN: set[str] = set()
-# One row per nemesis run (tests/e2e/test_nemeses.py): written as faults.json / faults.md.
+# One row per nemesis run (tests/faults/test_nemeses.py): written as faults.json / faults.md.
 FAULTS: list[dict] = []
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import bitexact, latency, timeouts, transport
 from vllm_zerocopy_testbed.patches.wiretap import wire_line
-from vllm_zerocopy_testbed.workload.requests import Record
+from vllm_zerocopy_testbed.workload.requests import Event, Record
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +113,7 @@ def test_fault_bound_counts_in_flight_and_later_requests_from_the_fault() -> Non
         return Record(key=key, suite="s", profile="p", bound_s=120.0, started=started, latency_s=latency,
                       status=status)
 
-    fault = 1000.0
+    fault = [Event(1000.0, "kill-worker-node", "apply", "worker", "p"), Event(1045.0, "kill-worker-node", "heal", "worker", "p")]
     records = [rec("done-before", 990.0, 5.0),  # ended before the fault: not affected
                rec("in-flight", 998.0, 30.0, "error"),  # ended 28 s after the fault
                rec("later", 1010.0, 2.0, "error"),
@@ -125,6 +125,9 @@ def test_fault_bound_counts_in_flight_and_later_requests_from_the_fault() -> Non
     late = faults.check([rec("hung", 999.0, 119.0, "timeout")], fault, bound_s=60.0)
     assert not late.ok and "hung" in late.problems[0]
     assert not faults.check([rec("done-before", 990.0, 5.0)], fault, 60.0).ok, "no request covered the fault"
+    assert not faults.check(records, fault[1:], 60.0).ok, "a history without the fault proves nothing"
+    broken = faults.check(records, [*fault, Event(1001.0, "kill-worker-node", "failed", "worker", "p", "boom")], 60.0)
+    assert not broken.ok and "boom" in str(broken), "a nemesis that failed is no fault run"
 
 
 def test_the_faults_table_says_how_each_nemesis_ended() -> None:

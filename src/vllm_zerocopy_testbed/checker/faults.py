@@ -5,18 +5,32 @@ from __future__ import annotations
 from typing import Iterable
 
 from vllm_zerocopy_testbed.checker import Verdict
-from vllm_zerocopy_testbed.workload.requests import Record
+from vllm_zerocopy_testbed.workload.requests import Event, Record
 
 
 def ended_at(record: Record) -> float:
     return record.started + record.latency_s
 
 
-def check(records: Iterable[Record], fault_at: float, bound_s: float) -> Verdict:
-    """Fail for each request that was in flight at ``fault_at`` or started later and did not end
-    (answer or error) within ``bound_s`` of the later of the two; figures: time to first error
-    and to the last end, seconds after the fault."""
-    verdict = Verdict("fault-bound")
+def fault_time(events: Iterable[Event]) -> float | None:
+    """The fault's time: the first ``apply`` event's (the nemesis schedule records it)."""
+    applied = [e.at for e in events if e.phase == "apply"]
+    return min(applied) if applied else None
+
+
+def check(records: Iterable[Record], events: Iterable[Event], bound_s: float) -> Verdict:
+    """Fail for each request that was in flight at the fault (its time read from ``events``) or
+    started later and did not end (answer or error) within ``bound_s`` of the later of the two;
+    figures: time to first error and to the last end, seconds after the fault."""
+    verdict = Verdict("fault-bound", figures={"bound_s": bound_s})
+    events = list(events)
+    fault_at = fault_time(events)
+    if fault_at is None:
+        verdict.fail("no fault was applied (no apply event in the history): nothing to judge")
+        return verdict
+    failed = [e for e in events if e.phase == "failed"]
+    for event in failed:
+        verdict.fail(f"the nemesis {event.kind} failed on {event.target}: {event.detail}")
     affected = [r for r in records if ended_at(r) >= fault_at]
     if not affected:
         verdict.fail("no request was in flight at the fault or sent after it: the workload did not cover it")

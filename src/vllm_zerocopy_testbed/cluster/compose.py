@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -20,11 +19,11 @@ from typing import Sequence
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
+from vllm_zerocopy_testbed.config import LOCAL_BASE_IMAGE, REPO_ROOT, ClusterSettings, process_env
+from vllm_zerocopy_testbed.config import base_image as config_base_image
 
 logger = logging.getLogger(__name__)
 
-LOCAL_BASE_IMAGE = "testbed-base:bookworm"
 NETWORK = "testbed"
 HEAD_IP = "172.29.77.10"  # fixed in compose.yaml
 
@@ -41,10 +40,10 @@ class ComposeCluster(Cluster):
         self.settings = settings or ClusterSettings.from_env()
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
-        self.base_image = base_image or os.environ.get("BASE_IMAGE", LOCAL_BASE_IMAGE)
+        self.base_image = base_image or config_base_image()
         compose = Path(sys.executable).with_name("docker-compose")
         self._compose = [str(compose), *(arg for f in self.settings.compose_files for arg in ("-f", str(f)))]
-        self._env = {**os.environ, **self.settings.values}
+        self._env = process_env(**self.settings.values)
 
     # -- plumbing ---------------------------------------------------------
     def _run(self, args: Sequence[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -183,54 +182,44 @@ class ComposeCluster(Cluster):
             raise LookupError(f"no running container for service {service!r}")
         return ids[0]
 
-    def kill(self, service: str) -> None:
-        self._run(["docker", "kill", self._container(service)], timeout=30)
+    def kill(self, node: str) -> None:
+        self._run(["docker", "kill", self._container(node)], timeout=30)
 
-    def pause(self, service: str) -> None:
-        self._run(["docker", "pause", self._container(service)], timeout=30)
+    def pause(self, node: str) -> None:
+        self._run(["docker", "pause", self._container(node)], timeout=30)
 
-    def unpause(self, service: str) -> None:
-        self._run(["docker", "unpause", self._container(service)], timeout=30)
+    def resume(self, node: str) -> None:
+        if self.state(node) == "paused":
+            self._run(["docker", "unpause", self._container(node)], timeout=30)
 
-    def disconnect(self, service: str) -> None:
-        network = f"{self.settings.project}_{NETWORK}"
-        self._run(["docker", "network", "disconnect", "--force", network, self._container(service)], timeout=30)
+    def isolate(self, node: str) -> None:
+        self._run(["docker", "network", "disconnect", "--force", self._network, self._container(node)], timeout=30)
 
-    def connect(self, service: str) -> None:
-        """Undo ``disconnect`` (the container keeps its name on our network; the head its fixed IP)."""
-        network = f"{self.settings.project}_{NETWORK}"
-        ip = ["--ip", HEAD_IP] if service == "head" else []
-        self._run(["docker", "network", "connect", *ip, "--alias", service, network, self._container(service)],
+    def rejoin(self, node: str) -> None:
+        """Undo ``isolate`` (the container keeps its name on our network; the head its fixed IP)."""
+        if self.state(node) != "isolated":
+            return
+        ip = ["--ip", HEAD_IP] if node == "head" else []
+        self._run(["docker", "network", "connect", *ip, "--alias", node, self._network, self._container(node)],
                   timeout=30)
 
-    def restart(self, service: str) -> None:
-        self._run(["docker", "restart", "--time", "10", self._container(service)], timeout=60)
+    @property
+    def _network(self) -> str:
+        return f"{self.settings.project}_{NETWORK}"
 
-    def kill_process(self, service: str, pattern: str) -> list[int]:
-        """SIGKILL the processes of ``service``'s container whose command line matches ``pattern``.
+    def restart(self, node: str) -> None:
+        self._run(["docker", "restart", "--time", "10", self._container(node)], timeout=60)
+
+    def kill_process(self, node: str, pattern: str) -> list[int]:
+        """SIGKILL the processes of ``node``'s container whose command line contains ``pattern``.
 
         Only inside our own container, by the PIDs ``pgrep`` finds there; return them.
         """
-        container = self._container(service)
+        container = self._container(node)
         pids = self._run(["docker", "exec", container, "pgrep", "-f", pattern], timeout=30, check=False).stdout.split()
         if pids:
             self._run(["docker", "exec", container, "kill", "-9", *pids], timeout=30)
         return [int(p) for p in pids]
-
-    def stop_cycle(self, service: str, pid: int, *, stopped_s: float, running_s: float, seconds: float) -> None:
-        """SIGSTOP then SIGCONT process ``pid`` of ``service``'s container in turns, for ``seconds``.
-
-        A gray failure: one slow rank while its node stays healthy. The loop runs inside
-        our own container (detached, bounded by ``seconds``) and always ends with SIGCONT;
-        ``resume`` ends it early.
-        """
-        loop = (f"end=$(( $(date +%s) + {int(seconds)} )); while [ $(date +%s) -lt $end ]; do "
-                f"kill -STOP {pid}; sleep {stopped_s}; kill -CONT {pid}; sleep {running_s}; done; kill -CONT {pid}")
-        self._run(["docker", "exec", "-d", self._container(service), "sh", "-c", loop], timeout=30)
-
-    def resume(self, service: str, pid: int) -> None:
-        """SIGCONT ``pid`` in ``service``'s container (after ``stop_cycle``'s bound, a no-op)."""
-        self._run(["docker", "exec", self._container(service), "kill", "-CONT", str(pid)], timeout=30, check=False)
 
     def _in_netns(self, service: str, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a host command (``tc``) inside ``service``'s network namespace: only our own
@@ -260,11 +249,16 @@ class ComposeCluster(Cluster):
         except LookupError:
             pass
 
-    def state(self, service: str) -> str:
-        """Return the service container's state (running, paused, restarting, exited, missing)."""
-        infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == service]
-        return infos[0]["State"]["Status"] if infos else "missing"
-
+    def state(self, node: str) -> str:
+        """Return the node container's state: running, paused, isolated (running, off our network),
+        restarting, exited or missing."""
+        infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == node]
+        if not infos:
+            return "missing"
+        status = infos[0]["State"]["Status"]
+        if status == "running" and self._network not in (infos[0]["NetworkSettings"]["Networks"] or {}):
+            return "isolated"
+        return status
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Bring the compose cluster up or down (TESTBED_PROFILE=cpu|gpu).")

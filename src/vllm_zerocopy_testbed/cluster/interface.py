@@ -12,6 +12,10 @@ class ClusterStartError(RuntimeError):
     """A cluster did not come up within its bound; the message carries the logs' tail."""
 
 
+class Unsupported(NotImplementedError):
+    """A backend cannot do this (e.g. cut a loopback node off its network): the test says so and skips."""
+
+
 class Service(ABC):
     """Something we start and must stop: a context manager whose exit always brings it down.
 
@@ -72,6 +76,46 @@ class Cluster(Service):
     def mode_lines(self) -> list[str]:
         """Every process's ``testbed modes`` line."""
 
-    @abstractmethod
-    def kill(self, service: str) -> None:
-        """Kill a node (nemesis)."""
+    # -- nemeses: what goes wrong on purpose (nemesis.py); ``node`` is "head" or "worker" --------
+    # Operations a backend cannot do, and why (the tests that need one skip with the reason).
+    UNSUPPORTED: dict[str, str] = {}
+
+    def cannot(self, op: str) -> str | None:
+        """Why this backend cannot do nemesis operation ``op`` (``pause``, ``isolate``...), or None."""
+        if op in self.UNSUPPORTED:
+            return self.UNSUPPORTED[op]
+        if getattr(type(self), op, None) is getattr(Cluster, op, None):
+            return f"{type(self).__name__} has no {op!r}"
+        return None
+
+    def kill(self, node: str) -> None:
+        """Kill every process of a node at once (SIGKILL), as a lost host."""
+        raise Unsupported(f"{type(self).__name__} cannot kill a node")
+
+    def pause(self, node: str) -> None:
+        """Freeze every process of a node (SIGSTOP / ``docker pause``): alive, connections open, silent."""
+        raise Unsupported(f"{type(self).__name__} cannot pause a node")
+
+    def resume(self, node: str) -> None:
+        """Undo ``pause`` (a no-op where the node is not paused)."""
+        raise Unsupported(f"{type(self).__name__} cannot resume a node")
+
+    def isolate(self, node: str) -> None:
+        """Cut a node off the cluster's network, its processes running."""
+        raise Unsupported(f"{type(self).__name__} cannot isolate a node")
+
+    def rejoin(self, node: str) -> None:
+        """Undo ``isolate`` (a no-op where the node is not isolated or is gone)."""
+        raise Unsupported(f"{type(self).__name__} cannot rejoin a node")
+
+    def restart(self, node: str) -> None:
+        """Stop a node (bounded grace) and start it again with the same settings."""
+        raise Unsupported(f"{type(self).__name__} cannot restart a node")
+
+    def kill_process(self, node: str, pattern: str) -> list[int]:
+        """SIGKILL the processes of a node whose command line contains ``pattern``; return their PIDs."""
+        raise Unsupported(f"{type(self).__name__} cannot kill a process on a node")
+
+    def state(self, node: str) -> str:
+        """Return the node's state: running, paused, isolated, exited or missing."""
+        raise Unsupported(f"{type(self).__name__} cannot report a node's state")

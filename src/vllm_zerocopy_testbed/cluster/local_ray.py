@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from vllm_zerocopy_testbed.node import ray_nodes
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
+from vllm_zerocopy_testbed.cluster.process import is_stopped, kill_matching, session_pids, signal_session
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.node import ray_nodes
+from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 
 logger = logging.getLogger(__name__)
 SESSION_ENV = "TESTBED_RAY_SESSION"
@@ -73,7 +76,7 @@ class LocalRayCluster:
             if node.ip == "127.0.0.1":
                 raise ValueError("use 127.0.0.2+ for local nodes: Ray rewrites 127.0.0.1 to eth0")
         self.nodes = nodes
-        self.env = dict(os.environ if env is None else env)
+        self.env = process_env() if env is None else dict(env)
         self.env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         self.start_timeout = start_timeout
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -104,13 +107,13 @@ class LocalRayCluster:
         self._logs = []
         try:
             for index, node in enumerate(self.nodes):
-                self._start_node(index, node)
+                self._procs.append(self._start_node(index, node))
             self.wait_for_nodes(len(self.nodes), self.start_timeout)
         except BaseException:
             self.stop()
             raise
 
-    def _start_node(self, index: int, node: RayNodeSpec) -> None:
+    def _start_node(self, index: int, node: RayNodeSpec) -> "subprocess.Popen[bytes]":
         assert self._workdir is not None
         ray = str(Path(sys.executable).with_name("ray"))
         cmd = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={node.ip}"]
@@ -124,13 +127,14 @@ class LocalRayCluster:
         else:
             cmd += [f"--address={self.address}"]
         log = self._workdir / f"node{index}.log"
-        self._logs.append(log)
-        with open(log, "wb") as out:
+        if log not in self._logs:
+            self._logs.append(log)
+        with open(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
-        self._procs.append(proc)
         logger.info("ray node %d on %s: pid %d", index, node.ip, proc.pid)
+        return proc
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
         """Wait until ``count`` nodes are alive; raise with the nodes' logs after ``timeout``."""
@@ -151,17 +155,55 @@ class LocalRayCluster:
             parts.append(f"--- {log.name} ---\n" + "\n".join(text[-lines:]))
         return "\n".join(parts)
 
+    # -- nemeses: a node is every process of its `ray start` session ----------------------
+    def node_pids(self, index: int) -> list[int]:
+        """Every live process of node ``index``: raylet, agents, and the workers it spawned
+        (each worker has its own process group, but stays in the node's session)."""
+        return session_pids(self._procs[index].pid)
+
     def kill_node(self, index: int) -> None:
-        """SIGKILL every process of node ``index`` (a nemesis)."""
+        """SIGKILL every process of node ``index`` at once (a lost host)."""
         proc = self._procs[index]
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_session(proc.pid, signal.SIGKILL)
+        try:
             proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.warning("ray node pid %d did not exit after SIGKILL", proc.pid)
+
+    def pause_node(self, index: int) -> list[int]:
+        """SIGSTOP every process of node ``index``; return them."""
+        return signal_session(self._procs[index].pid, signal.SIGSTOP)
+
+    def resume_node(self, index: int) -> list[int]:
+        """SIGCONT every process of node ``index``; return them."""
+        return signal_session(self._procs[index].pid, signal.SIGCONT)
+
+    def kill_processes(self, index: int, pattern: str) -> list[int]:
+        """SIGKILL the processes of node ``index`` whose command line contains ``pattern``."""
+        return kill_matching(self._procs[index].pid, pattern)
+
+    def restart_node(self, index: int, timeout: float = 60.0) -> None:
+        """Kill node ``index`` and start it again (same address, ports, resources); wait until it joined."""
+        self.kill_node(index)
+        self._procs[index] = self._start_node(index, self.nodes[index])
+        self.wait_for_nodes(len(self.nodes), timeout)
+
+    def node_state(self, index: int) -> str:
+        """running, paused (its ``ray start`` stopped by a signal) or exited."""
+        proc = self._procs[index] if index < len(self._procs) else None
+        if proc is None:
+            return "missing"
+        if proc.poll() is not None:
+            return "exited"
+        return "paused" if is_stopped(proc.pid) else "running"
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop every node we started (by process group), then remove our files."""
         # SIGTERM to the `ray start --block` leader only: it stops its children
         # in ~3 s, while a group-wide SIGTERM is ignored by gcs_server and others.
+        # A paused node (a nemesis) acts on it only once continued.
+        for proc in self._procs:
+            signal_session(proc.pid, signal.SIGCONT)
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -183,7 +225,7 @@ class LocalRayCluster:
         self._procs.clear()
         # A worker whose raylet crashed (Ray's teardown after a channel stall does that) is no
         # longer in the node's process group: end each process of our session by its PID.
-        self._kill_session_processes(deadline=time.monotonic() + 10)
+        self._kill_session_processes(timeout=10)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -209,18 +251,23 @@ class LocalRayCluster:
                 found[int(proc.name)] = title
         return found
 
-    def _kill_session_processes(self, deadline: float) -> None:
-        """SIGKILL each process of our session by PID, then wait until none is left or ``deadline``."""
-        while True:
+    def _kill_session_processes(self, timeout: float) -> None:
+        """SIGKILL each process of our session by PID until none is left (at most ``timeout`` s)."""
+
+        def none_left() -> bool:
             pids = self._session_processes()
-            if not pids or time.monotonic() > deadline:
-                return
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-            time.sleep(0.1)
+            return not pids
+
+        try:
+            wait_until("our Ray session's processes gone", none_left, timeout=timeout, poll_s=0.1,
+                       progress=lambda: f"left: {sorted(self._session_processes())}")
+        except WaitTimeout as exc:
+            logger.warning("%s", exc)  # leftovers() reports them
 
     def leftovers(self) -> list[str]:
         """Return what our nodes left behind: live processes of our Ray session, /dev/shm files."""

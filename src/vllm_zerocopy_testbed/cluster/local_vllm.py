@@ -1,24 +1,32 @@
 """The local backend: Ray nodes and the OpenAI server as processes on 127.0.0.x (no Docker).
 
-Same interface as ``ComposeCluster``. Nodes share this machine's /dev/shm, so
-unlike containers the stock communicator would "work" here; the compose
-backend is the one that shows cross-host behaviour.
+Same interface as ``ComposeCluster``, nemeses included: a node is every process of
+its ``ray start`` session (Ray gives each worker its own process group, not its own
+session), and the head node also holds the API server and its watchdog. Nodes share
+this machine's /dev/shm and network namespace, so unlike containers the stock
+communicator would "work" here, and no node can be cut off the network alone: the
+compose backend is the one that shows cross-host behaviour.
 """
 
 from __future__ import annotations
 
-import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
+from vllm_zerocopy_testbed.cluster.process import is_stopped, kill_matching, signal_session, stop_group
+from vllm_zerocopy_testbed.config import ClusterSettings, process_env
+from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env
 from vllm_zerocopy_testbed.node.warmup import warm_up, warms_logprobs
-from vllm_zerocopy_testbed.config import ClusterSettings
-from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 
 HEAD_IP = "127.0.0.3"
 WORKER_IPS = ("127.0.0.2", "127.0.0.4", "127.0.0.5")
@@ -26,7 +34,10 @@ API_PORT = 8011
 
 
 class LocalVllmCluster(Cluster):
-    """Head node (with the API server) and worker nodes as local process groups."""
+    """Head node (Ray, the API server, its watchdog) and worker nodes as local process sessions."""
+
+    UNSUPPORTED = {op: "local nodes share one network namespace (loopback): none can be cut off alone; "
+                       "TESTBED_CLUSTER=compose" for op in ("isolate", "rejoin")}
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
         self.settings = settings or ClusterSettings.from_env()
@@ -36,10 +47,16 @@ class LocalVllmCluster(Cluster):
             devices = {"num_gpus": float(self.settings["TESTBED_GPUS_PER_NODE"])}
         else:
             devices = {"resources": {"HPU": float(self.settings["TESTBED_HPU_PER_NODE"])}}
+        # The nodes get the cluster's settings as the containers do (Ray's node-loss detection
+        # from compose/.env among them).
         self.ray = LocalRayCluster(
-            [RayNodeSpec(HEAD_IP, **devices), *(RayNodeSpec(ip, **devices) for ip in WORKER_IPS[:workers])]
+            [RayNodeSpec(HEAD_IP, **devices), *(RayNodeSpec(ip, **devices) for ip in WORKER_IPS[:workers])],
+            env=process_env(**self.settings.values),
         )
         self._server = ApiServerProcess("API server", "testbed-api-")
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._watchdog_log = Path(tempfile.mkstemp(prefix="testbed-watchdog-", suffix=".log")[1])
+        self._started = False
 
     @property
     def base_url(self) -> str:
@@ -50,14 +67,19 @@ class LocalVllmCluster(Cluster):
         return self._server.running()
 
     def up(self) -> float:
-        """Start Ray nodes and the API server; wait (bounded) for ``/health``; return seconds."""
+        """Start Ray nodes, the API server and its watchdog; wait (bounded) for ``/health`` and a
+        warm-up answer; return seconds. Called again (after a nemesis), it starts afresh."""
+        if self._started:
+            self.down()
+        self._started = True
         start = time.monotonic()
         model_dir = DEFAULT_DIR
         build(model_dir)
         self.ray.start()
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
-        env = {**os.environ, **values, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address, "VLLM_HOST_IP": HEAD_IP,
+        env = {**process_env(), **values, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address,
+               "VLLM_HOST_IP": HEAD_IP,
                "TESTBED_RAY_DRIVER_IP": HEAD_IP,  # the engine is the head node's driver
                "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
         self._server.start(argv, env)
@@ -67,17 +89,38 @@ class LocalVllmCluster(Cluster):
         warm_up(self.base_url.removesuffix("/v1"), self.settings["TESTBED_SERVED_MODEL"],
                 timeout=max(1.0, start + self.up_timeout - time.monotonic()),
                 logprobs=warms_logprobs(self.settings.executor.value, self.settings.values.get("TESTBED_INFLIGHT", "testbed")))
+        self._start_watchdog()
         return time.monotonic() - start
 
+    def _start_watchdog(self) -> None:
+        """The head's watchdog (``node/watchdog.py``), as ``testbed-head`` runs it: a lost node or a
+        dead vLLM worker actor stops the API server at once."""
+        assert self._server.proc is not None
+        argv = [sys.executable, "-m", "vllm_zerocopy_testbed.node.watchdog", "--address", self.ray.address,
+                "--nodes", str(len(self.ray.nodes)), "--server-pid", str(self._server.proc.pid),
+                "--grace", self.settings.values.get("TESTBED_WATCHDOG_GRACE_S", "2"), "--node-ip", HEAD_IP]
+        with open(self._watchdog_log, "ab") as out:
+            self._watchdog = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env=process_env(**self.settings.values))
+
     def down(self) -> None:
+        if self._watchdog is not None:
+            signal_session(self._watchdog.pid, signal.SIGCONT)
+            stop_group(self._watchdog, grace_s=5)
+            self._watchdog = None
         self._server.stop()
         self.ray.stop()
 
     def leftovers(self) -> list[str]:
-        return self._server.leftover() + self.ray.leftovers()
+        watchdog = [f"watchdog pid {self._watchdog.pid}"] if self._watchdog and self._watchdog.poll() is None else []
+        return watchdog + self._server.leftover() + self.ray.leftovers()
 
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
-        return self._server.logs(tail)
+        text = self._server.logs(tail)
+        if self._watchdog_log.exists():
+            watchdog = self._watchdog_log.read_text(errors="replace").splitlines()
+            text += "\n" + "\n".join(watchdog[-tail:] if tail else watchdog)
+        return text
 
     def placement(self) -> list[RankPlacement]:
         nodes = {HEAD_IP: "head", **{ip: f"worker-{i + 1}" for i, ip in enumerate(WORKER_IPS)}}
@@ -86,5 +129,63 @@ class LocalVllmCluster(Cluster):
     def mode_lines(self) -> list[str]:
         return parse_mode_lines(self.logs())
 
-    def kill(self, service: str) -> None:
-        self.ray.kill_node(0 if service == "head" else 1)
+    # -- nemeses ------------------------------------------------------------
+    def _index(self, node: str) -> int:
+        """head -> 0, worker (or worker-N) -> N."""
+        if node == "head":
+            return 0
+        number = node.removeprefix("worker").lstrip("-") or "1"
+        if not number.isdigit() or not 1 <= int(number) < len(self.ray.nodes):
+            raise LookupError(f"no node {node!r}: head, worker-1..{len(self.ray.nodes) - 1}")
+        return int(number)
+
+    def _head_sessions(self) -> list[int]:
+        """The head's processes beyond its Ray node: the API server (with the engine) and the watchdog."""
+        return [p.pid for p in (self._server.proc, self._watchdog) if p is not None and p.poll() is None]
+
+    def kill(self, node: str) -> None:
+        index = self._index(node)
+        if index == 0:
+            for sid in self._head_sessions():
+                signal_session(sid, signal.SIGKILL)
+        self.ray.kill_node(index)
+
+    def pause(self, node: str) -> None:
+        index = self._index(node)
+        if index == 0:
+            for sid in self._head_sessions():
+                signal_session(sid, signal.SIGSTOP)
+        self.ray.pause_node(index)
+
+    def resume(self, node: str) -> None:
+        index = self._index(node)
+        self.ray.resume_node(index)
+        if index == 0:
+            for sid in self._head_sessions():
+                signal_session(sid, signal.SIGCONT)
+
+    def restart(self, node: str) -> None:
+        """Kill the node and start its Ray node again (the head: the whole cluster, as its container would)."""
+        index = self._index(node)
+        if index == 0:
+            self.up()
+            return
+        self.ray.restart_node(index)
+
+    def kill_process(self, node: str, pattern: str) -> list[int]:
+        index = self._index(node)
+        pids = self.ray.kill_processes(index, pattern)
+        for sid in self._head_sessions() if index == 0 else []:
+            pids += kill_matching(sid, pattern)
+        return pids
+
+    def state(self, node: str) -> str:
+        index = self._index(node)
+        ray_state = self.ray.node_state(index)
+        if index == 0 and ray_state == "running":
+            if not self._server.running():
+                return "exited"
+            if self._server.proc is not None and is_stopped(self._server.proc.pid):
+                return "paused"
+        return ray_state
+

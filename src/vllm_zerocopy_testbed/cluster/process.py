@@ -1,10 +1,13 @@
-"""Stopping a process group we started, bounded: SIGTERM, a grace period, then SIGKILL."""
+"""Process groups and sessions we started: stop (bounded: SIGTERM, a grace period, SIGKILL),
+pause, resume, and every process of a session (a node: Ray gives each worker its own
+process group, but it stays in the session of the ``ray start`` that spawned it)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 
 def stop_group(proc: "subprocess.Popen[bytes] | None", grace_s: float = 20.0) -> None:
@@ -35,3 +38,60 @@ def pause_group(proc: "subprocess.Popen[bytes] | None") -> bool:
 def resume_group(proc: "subprocess.Popen[bytes] | None") -> bool:
     """Continue every process of ``proc``'s group (SIGCONT); whether it was sent."""
     return signal_group(proc, signal.SIGCONT)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """Return (state, session id) of ``pid`` from /proc, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[3])
+
+
+def session_pids(sid: int) -> list[int]:
+    """Return every live (not zombie) process of session ``sid``: what one node or server runs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[1] == sid and stat[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def signal_session(sid: int, signum: int) -> list[int]:
+    """Send ``signum`` to every process of session ``sid``; return the PIDs it reached."""
+    reached = []
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signum)
+            reached.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return reached
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (SIGSTOP: state T)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] == "T"
+
+
+def command_line(pid: int) -> str:
+    """Return ``pid``'s command line (Ray renames its workers': ``ray::RayWorkerProc``), or ""."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def kill_matching(sid: int, pattern: str) -> list[int]:
+    """SIGKILL the processes of session ``sid`` whose command line contains ``pattern``; return them."""
+    pids = [pid for pid in session_pids(sid) if pattern in command_line(pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids

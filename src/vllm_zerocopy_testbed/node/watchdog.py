@@ -23,6 +23,7 @@ import sys
 import time
 
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
+from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 
 EXIT_NODE_LOST = 3
 EXIT_SERVER_GONE = 4
@@ -43,9 +44,10 @@ def stop(pid: int, grace_s: float = 3.0) -> None:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.2)
+    try:
+        wait_until(f"API server group {pid} to exit after SIGTERM", lambda: not _alive(pid), timeout=grace_s, poll_s=0.2)
+    except WaitTimeout:
+        pass  # SIGKILL next
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:

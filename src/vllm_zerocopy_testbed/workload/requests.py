@@ -175,11 +175,28 @@ def send(client: openai.OpenAI, model: str, spec: CompletionSpec, *, suite: str,
     return record
 
 
+@dataclass(frozen=True)
+class Event:
+    """Something done to the cluster during a workload (a nemesis applied or healed), in the
+    same history as the requests: checkers read fault times from here."""
+
+    at: float  # epoch seconds, as ``Record.started``
+    kind: str  # the nemesis's name
+    phase: str  # apply | heal | failed (the nemesis itself raised)
+    target: str  # the node
+    profile: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class History:
-    """Every record of a session, appended from any thread; saved as JSON by the report."""
+    """Every record and event of a session, appended from any thread; saved as JSON by the report."""
 
     def __init__(self) -> None:
         self._records: list[Record] = []
+        self._events: list[Event] = []
         self._lock = threading.Lock()
 
     def add(self, record: Record) -> Record:
@@ -187,7 +204,17 @@ class History:
             self._records.append(record)
         return record
 
+    def add_event(self, event: Event) -> Event:
+        with self._lock:
+            self._events.append(event)
+        return event
+
     def records(self, *, profile: str | None = None, suite: str | None = None) -> list[Record]:
         with self._lock:
             return [r for r in self._records
                     if (profile is None or r.profile == profile) and (suite is None or r.suite == suite)]
+
+    def events(self, *, profile: str | None = None, kind: str | None = None) -> list[Event]:
+        with self._lock:
+            return [e for e in self._events
+                    if (profile is None or e.profile == profile) and (kind is None or e.kind == kind)]
