@@ -88,34 +88,29 @@ class Cluster(Service):
             return f"{type(self).__name__} has no {op!r}"
         return None
 
-    def kill(self, node: str) -> None:
-        """Kill every process of a node at once (SIGKILL), as a lost host."""
-        raise Unsupported(f"{type(self).__name__} cannot kill a node")
 
-    def pause(self, node: str) -> None:
-        """Freeze every process of a node (SIGSTOP / ``docker pause``): alive, connections open, silent."""
-        raise Unsupported(f"{type(self).__name__} cannot pause a node")
+# The nemesis operations every backend may implement (``node``: "head", "worker"); what the base
+# class does is say that it cannot. Read as the interface's documentation:
+NEMESIS_OPERATIONS = {
+    "kill": "(node) kill every process of a node at once (SIGKILL), as a lost host",
+    "pause": "(node) freeze every process of a node (SIGSTOP, docker pause): alive, connections open, silent",
+    "resume": "(node) undo pause; a no-op where the node is not paused",
+    "isolate": "(node) cut a node off the cluster's network, its processes running",
+    "rejoin": "(node) undo isolate; a no-op where the node is not isolated or is gone",
+    "restart": "(node) stop a node (bounded grace) and start it again with the same settings",
+    "kill_process": "(node, pattern) SIGKILL a node's processes whose command line contains pattern; their PIDs",
+    "state": "(node) the node's state: running, paused, isolated, exited or missing",
+}
 
-    def resume(self, node: str) -> None:
-        """Undo ``pause`` (a no-op where the node is not paused)."""
-        raise Unsupported(f"{type(self).__name__} cannot resume a node")
 
-    def isolate(self, node: str) -> None:
-        """Cut a node off the cluster's network, its processes running."""
-        raise Unsupported(f"{type(self).__name__} cannot isolate a node")
+def _cannot(op: str, what: str):
+    def operation(self: Cluster, *args: object) -> object:
+        raise Unsupported(f"{type(self).__name__} cannot {op}")
 
-    def rejoin(self, node: str) -> None:
-        """Undo ``isolate`` (a no-op where the node is not isolated or is gone)."""
-        raise Unsupported(f"{type(self).__name__} cannot rejoin a node")
+    operation.__name__ = operation.__qualname__ = op
+    operation.__doc__ = what
+    return operation
 
-    def restart(self, node: str) -> None:
-        """Stop a node (bounded grace) and start it again with the same settings."""
-        raise Unsupported(f"{type(self).__name__} cannot restart a node")
 
-    def kill_process(self, node: str, pattern: str) -> list[int]:
-        """SIGKILL the processes of a node whose command line contains ``pattern``; return their PIDs."""
-        raise Unsupported(f"{type(self).__name__} cannot kill a process on a node")
-
-    def state(self, node: str) -> str:
-        """Return the node's state: running, paused, isolated, exited or missing."""
-        raise Unsupported(f"{type(self).__name__} cannot report a node's state")
+for _op, _what in NEMESIS_OPERATIONS.items():
+    setattr(Cluster, _op, _cannot(_op, _what))

@@ -143,26 +143,23 @@ class LocalVllmCluster(Cluster):
         """The head's processes beyond its Ray node: the API server (with the engine) and the watchdog."""
         return [p.pid for p in (self._server.proc, self._watchdog) if p is not None and p.poll() is None]
 
+    def _signal_head(self, index: int, signum: int) -> None:
+        """On the head, the API server's and the watchdog's sessions too (a container holds them all)."""
+        for sid in self._head_sessions() if index == 0 else []:
+            signal_session(sid, signum)
+
     def kill(self, node: str) -> None:
         index = self._index(node)
-        if index == 0:
-            for sid in self._head_sessions():
-                signal_session(sid, signal.SIGKILL)
+        self._signal_head(index, signal.SIGKILL)
         self.ray.kill_node(index)
 
     def pause(self, node: str) -> None:
-        index = self._index(node)
-        if index == 0:
-            for sid in self._head_sessions():
-                signal_session(sid, signal.SIGSTOP)
-        self.ray.pause_node(index)
+        self._signal_head(self._index(node), signal.SIGSTOP)
+        self.ray.pause_node(self._index(node))
 
     def resume(self, node: str) -> None:
-        index = self._index(node)
-        self.ray.resume_node(index)
-        if index == 0:
-            for sid in self._head_sessions():
-                signal_session(sid, signal.SIGCONT)
+        self.ray.resume_node(self._index(node))
+        self._signal_head(self._index(node), signal.SIGCONT)
 
     def restart(self, node: str) -> None:
         """Kill the node and start its Ray node again (the head: the whole cluster, as its container would)."""
