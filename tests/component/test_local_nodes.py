@@ -16,6 +16,7 @@ import pytest
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.process import is_stopped
 from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.waits import wait_until
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(300)]
 
@@ -68,11 +69,14 @@ def test_pause_stops_the_actors_of_the_node_and_resume_continues_them(nodes: Loc
     assert probe in nodes.node_pids(1) and probe not in nodes.node_pids(0)
     stopped = nodes.pause_node(1)
     try:
-        assert probe in stopped and is_stopped(probe) and nodes.node_state(1) == "paused"
+        # A signal is delivered asynchronously: the state changes a moment after kill() returns.
+        assert probe in stopped and wait_until("probe stopped", lambda: is_stopped(probe), timeout=5, poll_s=0.05)
+        wait_until("node 1 paused", lambda: nodes.node_state(1) == "paused", timeout=5, poll_s=0.05)
         assert not any(is_stopped(pid) for pid in nodes.node_pids(0)), "the other node runs on"
     finally:
         nodes.resume_node(1)
-    assert not is_stopped(probe) and nodes.node_state(1) == "running"
+    wait_until("probe running", lambda: not is_stopped(probe), timeout=5, poll_s=0.05)
+    wait_until("node 1 running", lambda: nodes.node_state(1) == "running", timeout=5, poll_s=0.05)
 
 
 def test_kill_processes_kills_what_matches_on_that_node_only(nodes: LocalRayCluster, probe: int) -> None:
