@@ -37,8 +37,9 @@ def test_requests_end_within_the_bound_and_the_cluster_comes_back(cluster: LiveC
     if profile != PROFILES[0]:
         pytest.skip("nemeses run on the first profile only (each costs a cluster recovery)")
     backend, model, specs = cluster.backend, cluster.settings["TESTBED_SERVED_MODEL"], _specs()
-    if nemesis.cannot(backend):
-        pytest.skip(nemesis.cannot(backend))
+    lacking = nemesis.cannot(backend)
+    if lacking:
+        pytest.skip(lacking)
     if not (backend.is_running() and answers(backend.base_url, model)):
         backend.up()  # an earlier nemesis left it down: start from a healthy cluster
     runner = Runner(backend.base_url, model, HISTORY, str(profile), REQUEST_TIMEOUT_S)

@@ -83,7 +83,7 @@ class LocalRayCluster:
         self._logs: list[Path] = []
         self._workdir: Path | None = None
         self._last_workdir: str | None = None
-        self._shm = ShmSnapshot()
+        self._shm: ShmSnapshot | None = None  # taken at start: what /dev/shm held before us
 
     @property
     def address(self) -> str:
@@ -229,7 +229,8 @@ class LocalRayCluster:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        self._shm.remove_new()
+        if self._shm is not None:
+            self._shm.remove_new()
 
     def _session_processes(self) -> dict[int, str]:
         """PID -> command line of every live process whose environment names our Ray session."""
@@ -273,5 +274,5 @@ class LocalRayCluster:
         """Return what our nodes left behind: live processes of our Ray session, /dev/shm files."""
         found = [f"ray node pid {p.pid} still running" for p in self._procs if p.poll() is None]
         found += [f"pid {pid} of our Ray session: {title[:80]}" for pid, title in self._session_processes().items()]
-        found += [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
+        found += [f"/dev/shm/{name}" for name in self._shm.new_leaks()] if self._shm is not None else []
         return found

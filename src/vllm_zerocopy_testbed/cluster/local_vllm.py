@@ -56,7 +56,6 @@ class LocalVllmCluster(Cluster):
         self._server = ApiServerProcess("API server", "testbed-api-")
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._watchdog_log = Path(tempfile.mkstemp(prefix="testbed-watchdog-", suffix=".log")[1])
-        self._started = False
 
     @property
     def base_url(self) -> str:
@@ -69,9 +68,7 @@ class LocalVllmCluster(Cluster):
     def up(self) -> float:
         """Start Ray nodes, the API server and its watchdog; wait (bounded) for ``/health`` and a
         warm-up answer; return seconds. Called again (after a nemesis), it starts afresh."""
-        if self._started:
-            self.down()
-        self._started = True
+        self.down()  # what a nemesis left of an earlier up (a no-op on the first)
         start = time.monotonic()
         model_dir = DEFAULT_DIR
         build(model_dir)

@@ -60,16 +60,21 @@ def session_pids(sid: int) -> list[int]:
     return sorted(found)
 
 
-def signal_session(sid: int, signum: int) -> list[int]:
-    """Send ``signum`` to every process of session ``sid``; return the PIDs it reached."""
+def _signal_each(pids: list[int], signum: int) -> list[int]:
+    """Send ``signum`` to each of ``pids``; return those it reached (one may be gone meanwhile)."""
     reached = []
-    for pid in session_pids(sid):
+    for pid in pids:
         try:
             os.kill(pid, signum)
             reached.append(pid)
         except (ProcessLookupError, PermissionError):
             pass
     return reached
+
+
+def signal_session(sid: int, signum: int) -> list[int]:
+    """Send ``signum`` to every process of session ``sid``; return the PIDs it reached."""
+    return _signal_each(session_pids(sid), signum)
 
 
 def is_stopped(pid: int) -> bool:
@@ -88,10 +93,4 @@ def command_line(pid: int) -> str:
 
 def kill_matching(sid: int, pattern: str) -> list[int]:
     """SIGKILL the processes of session ``sid`` whose command line contains ``pattern``; return them."""
-    pids = [pid for pid in session_pids(sid) if pattern in command_line(pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
+    return _signal_each([pid for pid in session_pids(sid) if pattern in command_line(pid)], signal.SIGKILL)

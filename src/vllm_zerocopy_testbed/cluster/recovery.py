@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
+from vllm_zerocopy_testbed.node.warmup import complete
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 
 # A node left stopped this long is not coming back by itself (Docker never restarts a container
@@ -18,12 +17,11 @@ STOPPED_FOR_GOOD_S = 20.0
 
 def answers(base_url: str, model: str, timeout: float = 60.0) -> bool:
     """Whether a two-token completion at ``base_url`` (ending in ``/v1``) comes back with 200."""
-    body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
-    request = urllib.request.Request(f"{base_url}/completions", data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
+        complete(base_url.removesuffix("/v1"), {"model": model, "prompt": [1, 2, 3], "max_tokens": 2},
+                 time.monotonic() + timeout)
+        return True
+    except (urllib.error.URLError, OSError, ValueError):  # HTTP errors are URLErrors; bad JSON a ValueError
         return False
 
 

@@ -27,7 +27,8 @@ def is_healthy(url: str) -> bool:
         return False
 
 
-def _complete(url: str, body: dict, deadline: float) -> None:
+def complete(url: str, body: dict, deadline: float) -> None:
+    """POST ``body`` to ``url``/v1/completions by ``deadline``; raise unless it answers 200 with JSON."""
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())) as response:
@@ -48,14 +49,14 @@ def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, mod
     wait_until(f"{url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=2)
     start = time.monotonic()
     plain = {"model": model, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
-    _complete(url, plain, deadline)
+    complete(url, plain, deadline)
     from vllm_zerocopy_testbed.model import DEFAULT_DIR
     from vllm_zerocopy_testbed.workload.embeds import encode, rows_for, token_ids
 
     rows = encode(rows_for(token_ids(8), model_dir=model_dir or DEFAULT_DIR))
-    _complete(url, {**plain, "prompt": None, "prompt_embeds": rows}, deadline)
+    complete(url, {**plain, "prompt": None, "prompt_embeds": rows}, deadline)
     if logprobs:
-        _complete(url, {**plain, "logprobs": 1}, deadline)
+        complete(url, {**plain, "logprobs": 1}, deadline)
     return time.monotonic() - start
 
 
