@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -247,16 +248,57 @@ class ClusterSettings:
 
 
 CLUSTER_ENV = "TESTBED_CLUSTER"
-CLUSTER_BACKENDS = ("compose", "local")
+CLUSTER_BACKENDS = ("compose", "local", "external")
 
 
 def cluster_backend(env: Mapping[str, str] | None = None) -> str:
-    """Return the cluster backend the suites use: ``compose`` (default) or ``local``."""
+    """Return the cluster backend the suites use: ``compose`` (default), ``local`` or ``external``."""
     env = os.environ if env is None else env
     backend = env.get(CLUSTER_ENV, "compose").strip().lower()
     if backend not in CLUSTER_BACKENDS:
         raise ConfigError(f"{CLUSTER_ENV}={backend!r} is invalid; use one of: {', '.join(CLUSTER_BACKENDS)}")
     return backend
+
+
+EXTERNAL_URL_ENV = "TESTBED_EXTERNAL_URL"
+EXTERNAL_DASHBOARD_ENV = "TESTBED_EXTERNAL_DASHBOARD"
+EXTERNAL_MODEL_ENV = "TESTBED_EXTERNAL_MODEL"
+
+
+def _http_root(name: str, raw: str) -> str:
+    """``raw`` as an http(s) root without a trailing slash, or a ConfigError naming ``name``."""
+    parsed = urllib.parse.urlsplit(raw.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.query or parsed.fragment:
+        raise ConfigError(f"{name}={raw!r} is invalid; use an http(s) URL such as http://10.0.0.5:8000/v1")
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, parsed.path.rstrip("/"), "", ""))
+
+
+@dataclass(frozen=True)
+class ExternalTarget:
+    """A cluster the suites observe but never start, stop or hurt (``TESTBED_CLUSTER=external``).
+
+    ``url``: its OpenAI API root (``TESTBED_EXTERNAL_URL``; ``/v1`` appended if missing);
+    ``dashboard``: its Ray dashboard (``TESTBED_EXTERNAL_DASHBOARD``, optional: placement,
+    mode lines and worker logs come from Ray's state API there); ``model``: the served
+    model name (``TESTBED_EXTERNAL_MODEL``, optional: else the only one ``/v1/models`` lists).
+    """
+
+    url: str
+    dashboard: str | None = None
+    model: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ExternalTarget":
+        env = os.environ if env is None else env
+        raw = env.get(EXTERNAL_URL_ENV, "").strip()
+        if not raw:
+            raise ConfigError(f"{CLUSTER_ENV}=external needs {EXTERNAL_URL_ENV}, the cluster's OpenAI API "
+                              f"(e.g. http://127.0.0.1:8000/v1)")
+        url = _http_root(EXTERNAL_URL_ENV, raw)
+        url = url if url.endswith("/v1") else f"{url}/v1"
+        dashboard_raw = env.get(EXTERNAL_DASHBOARD_ENV, "").strip()
+        dashboard = _http_root(EXTERNAL_DASHBOARD_ENV, dashboard_raw) if dashboard_raw else None
+        return cls(url, dashboard, env.get(EXTERNAL_MODEL_ENV, "").strip() or None)
 
 
 E2E_EXECUTORS_ENV = "TESTBED_E2E_EXECUTORS"
@@ -290,13 +332,23 @@ def e2e_profiles(env: Mapping[str, str] | None = None) -> tuple[list[Profile], b
     ``TESTBED_E2E_EXECUTORS`` (default ``v2 cgraph``) and ``TESTBED_E2E_MODES``
     (default ``testbed upstream``; each mode sets both paths). Chosen modes are
     judged strictly: a known failure is then a red test, not an expected one.
+    An external cluster is one profile: the executor and modes it is said to run
+    (default ``v2``, ``upstream``: a vLLM without the testbed's plugin).
     """
     env = os.environ if env is None else env
-    executors = [Executor.parse(v) for v in env.get(E2E_EXECUTORS_ENV, "v2 cgraph").split()]
+    external = cluster_backend(env) == "external"
+    executors = [Executor.parse(v) for v in env.get(E2E_EXECUTORS_ENV, "v2" if external else "v2 cgraph").split()]
     chosen = env.get(E2E_MODES_ENV, "").split()
     modes = [PatchMode.parse(m, variable=E2E_MODES_ENV) for m in chosen] or list(DEFAULT_E2E_MODES)
     if not executors:
         raise ConfigError(f"{E2E_EXECUTORS_ENV} is empty; use v2, cgraph or both")
+    if external:
+        # One deployment, as it runs: what it is named is what the suites expect of it.
+        if len(executors) != 1 or len(chosen) > 1:
+            raise ConfigError(f"an external cluster runs one executor with one set of modes: name at most one "
+                              f"each (EXECUTOR=v2 MODES=testbed), not {E2E_EXECUTORS_ENV}="
+                              f"{env.get(E2E_EXECUTORS_ENV, '')!r} {E2E_MODES_ENV}={' '.join(chosen)!r}")
+        modes = modes[:1] if chosen else [PatchMode.UPSTREAM]
     return [Profile(e, m, m) for e in executors for m in modes], bool(chosen)
 
 

@@ -102,10 +102,12 @@ class RunReport:
         results_json.write_text(json.dumps(data, indent=1))
         failed = [r for r in self.results if r.outcome in ("failed", "error", "xpassed")]
         known = [r for r in self.results if r.outcome == "xfailed"]
+        skipped = [r for r in self.results if r.outcome == "skipped"]
         md = [f"# e2e run {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.started))} UTC", "",
               "Cells: worst outcome of the suite's tests, requests sent, latency p50/p95 "
               "(known-fail = a strict expected failure that did fail).", "", self.table(records), ""]
-        for title, rows in (("Failures", failed), ("Known failures (expected, strict)", known)):
+        for title, rows in (("Failures", failed), ("Known failures (expected, strict)", known),
+                            ("Skipped, and why", skipped)):
             if rows:
                 md += [f"## {title}", ""]
                 md += [f"- `{r.test}` ({r.profile}): {r.message.splitlines()[0] if r.message else ''}" for r in rows]

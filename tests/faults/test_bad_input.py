@@ -41,6 +41,8 @@ def test_bad_input_gets_a_4xx_and_costs_nothing(cluster: LiveCluster, before: di
                                                 case: bad_input.BadRequest) -> None:
     if cluster.dead:
         pytest.fail(f"not run: {cluster.dead}")
+    if not cluster.backend.owned:
+        pytest.skip("bad input could bring down a cluster the testbed only observes (external)")
     answer = bad_input.send(cluster.backend.base_url, case, timeout=REQUEST_TIMEOUT_S)
     REPORT.notes.append(f"{cluster.profile} bad input `{case.name}` ({case.what}): "
                         f"HTTP {answer.status} in {answer.seconds:.2f} s: {answer.message}")

@@ -132,6 +132,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     params = getattr(item, "callspec", None)
     profile = params.params.get("profile") if params else None
     message = report.longreprtext[-3000:] if report.failed else getattr(report, "wasxfail", "")
+    if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
+        message = report.longrepr[2].removeprefix("Skipped: ")  # (file, line, reason): the report says why
     REPORT.results.append(TestResult(test=item.nodeid.split("::", 1)[-1], suite=marker.args[0],
                                      profile=str(profile) if profile else "all", outcome=_outcome(report),
                                      duration_s=report.duration, message=message))

@@ -26,9 +26,10 @@ def _rendered(profile: str = "cpu", **overrides: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_only_the_api_is_published_and_only_on_loopback() -> None:
+def test_only_the_api_and_the_dashboard_are_published_and_only_on_loopback() -> None:
     services = _rendered()["services"]
-    assert [p["host_ip"] for p in services["head"]["ports"]] == ["127.0.0.1"]
+    assert {(p["host_ip"], p["target"]) for p in services["head"]["ports"]} == {("127.0.0.1", 8000),
+                                                                                ("127.0.0.1", 8265)}
     assert "ports" not in services["worker"]
 
 
@@ -65,7 +66,7 @@ def test_the_gpu_override_reserves_real_gpus_and_drops_the_cpu_stand_ins() -> No
         assert "cpuset" not in service, f"{name}: GPU nodes are not pinned to one core"
         assert not service.get("privileged") and service.get("ipc") in (None, "", "private", "shareable"), name
         assert int(service["shm_size"]) >= 8 << 30, name
-    assert [p["host_ip"] for p in services["head"]["ports"]] == ["127.0.0.1"]
+    assert {p["host_ip"] for p in services["head"]["ports"]} == {"127.0.0.1"}
     assert "ports" not in services["worker"]
 
 

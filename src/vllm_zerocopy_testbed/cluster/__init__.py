@@ -1,4 +1,4 @@
-"""Clusters the suites run against: Docker Compose (default) or local processes."""
+"""Clusters the suites run against: Docker Compose (default), local processes, or an external one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend, proce
 def cluster_from_env(up_timeout: float = 600.0, overrides: Mapping[str, str] | None = None) -> Cluster:
     """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names, settings overridden."""
     settings = ClusterSettings.from_env(process_env(**(overrides or {})))
-    if cluster_backend() == "local":
+    backend = cluster_backend()
+    if backend == "external":
+        from vllm_zerocopy_testbed.cluster.external import ExternalCluster
+
+        return ExternalCluster(settings, up_timeout=up_timeout)
+    if backend == "local":
         from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster
 
         return LocalVllmCluster(settings, up_timeout=up_timeout)

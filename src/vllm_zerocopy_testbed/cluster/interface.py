@@ -50,6 +50,9 @@ class Cluster(Service):
     """A vLLM cluster: up with a bounded wait, queried, hurt on purpose, always brought down."""
 
     settings: ClusterSettings
+    # Whether the suites may bring this cluster down and up (restart suite, nemeses, a cluster
+    # of their own): false for a cluster they only observe (``TESTBED_CLUSTER=external``).
+    owned: bool = True
 
     @property
     @abstractmethod
@@ -75,6 +78,13 @@ class Cluster(Service):
     @abstractmethod
     def mode_lines(self) -> list[str]:
         """Every process's ``testbed modes`` line."""
+
+    def blind_to(self, what: str) -> str | None:
+        """Why this backend cannot show ``what``, or None. ``what``: ``engine-log`` (the engine's
+        and API server's own lines: transport frames, the MessageQueue timeline), ``placement``
+        (ranks per node), ``mode-lines`` (each process's modes). Tests that need it skip with
+        the reason."""
+        return None
 
     # -- nemeses: what goes wrong on purpose (nemesis.py); ``node`` is "head" or "worker" --------
     # Operations a backend cannot do, and why (the tests that need one skip with the reason).
