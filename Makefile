@@ -16,19 +16,20 @@ PYTEST_ARGS ?=
 BASE_IMAGE ?= testbed-base:bookworm
 export BASE_IMAGE
 CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
-# The local backend (TESTBED_CLUSTER=local) needs neither Docker nor the image.
-E2E_DEPS := $(if $(filter local,$(TESTBED_CLUSTER)),$(STAMP),image)
+# The local and external backends (TESTBED_CLUSTER=local, external) need neither Docker nor the image.
+E2E_DEPS := $(if $(filter local external,$(TESTBED_CLUSTER)),$(STAMP),image)
 COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml $(if $(filter gpu,$(PROFILE)),-f compose/compose.gpu.yaml)
 # e2e profiles: executors x modes (each mode sets both paths). Naming MODES judges them
 # strictly: `make e2e MODES=off` is the fix-off run, and its known failures turn red.
-EXECUTOR ?= v2 cgraph
+# An external cluster is one profile: what it runs (default v2, modes upstream).
+EXECUTOR ?= $(if $(filter external,$(TESTBED_CLUSTER)),v2,v2 cgraph)
 MODES ?=
 RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
 RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e faults bench bench-quick mutants
+PHONY_TESTS := test test-core test-smoke e2e faults multihost bench bench-quick mutants
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
@@ -37,7 +38,8 @@ help: ## list the targets
 	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH, TESTBED_INFLIGHT = upstream | off | testbed (default)"
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
 	@echo "  e2e profiles: make e2e EXECUTOR=\"v2 cgraph\" MODES=\"testbed upstream\"  (MODES=off: fix-off run)"
-	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker); knobs in compose/.env"
+	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker) | external; knobs in compose/.env"
+	@echo "  External: TESTBED_CLUSTER=external TESTBED_EXTERNAL_URL=http://HOST:8000/v1 [TESTBED_EXTERNAL_DASHBOARD=http://HEAD:8265] make e2e  (docs/multihost.md)"
 	@echo "  Device profile: PROFILE = cpu (default) | gpu (vllm CUDA wheels, compose.gpu.yaml: docs/gpu.md)"
 
 $(STAMP): pyproject.toml
@@ -70,6 +72,9 @@ faults: EXECUTOR = v2
 faults: MODES = testbed
 faults: $(E2E_DEPS) ## tests/faults: bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
 	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
+
+multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)
+	$(PYTHON) -m pytest tests/multihost -m multihost -s $(PYTEST_ARGS)
 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) tests/e2e -m smoke $(PYTEST_ARGS)
