@@ -7,13 +7,11 @@ actor logs). The e2e run against a real `make up` cluster is in docs/multihost.m
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from loopback import Loopback
 
 from vllm_zerocopy_testbed.cluster.external import ExternalCluster
 from vllm_zerocopy_testbed.cluster.interface import NEMESIS_OPERATIONS, ClusterStartError, Unsupported
@@ -38,51 +36,32 @@ class Deployment:
     def __init__(self, models: tuple[str, ...] = ("tiny-llama",)) -> None:
         self.models = models
         self.requests: list[str] = []
-        deployment = self
+        self.http = Loopback(self.route)
+        self.url = self.http.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _reply(self, body: object, status: int = 200) -> None:
-                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                deployment.requests.append(f"GET {self.path}")
-                url = urlsplit(self.path)
-                state = {"nodes": [{"node_id": HEAD, "node_ip": "10.0.0.1", "is_head_node": True},
-                                   {"node_id": WORKER, "node_ip": "10.0.0.2", "is_head_node": False}],
-                         "actors": [{"actor_id": f"a{r}", "class_name": "RayWorkerProc", "state": "ALIVE",
-                                     "pid": 10 + r, "node_id": HEAD if r < 2 else WORKER} for r in range(4)]
-                         + [{"actor_id": "x", "class_name": "_StatsActor", "state": "ALIVE", "node_id": HEAD}]}
-                if url.path == "/health":
-                    self._reply("")
-                elif url.path == "/v1/models":
-                    self._reply({"data": [{"id": m, "max_model_len": 4608} for m in deployment.models]})
-                elif url.path.startswith("/api/v0/") and url.path[8:] in state:
-                    self._reply({"result": True, "data": {"result": {"result": state[url.path[8:]]}}})
-                elif url.path == "/api/v0/logs/file":
-                    query = parse_qs(url.query)
-                    text = WORKER_LOG[query["actor_id"][0]] if query["suffix"] == ["err"] else ""
-                    self._reply(text)
-                else:
-                    self._reply("not found", 404)
-
-            def do_POST(self) -> None:
-                deployment.requests.append(f"POST {self.path}")
-                self._reply("", 405)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def route(self, method: str, path: str) -> tuple[int, object]:
+        self.requests.append(f"{method} {path}")
+        if method != "GET":
+            return 405, ""
+        url = urlsplit(path)
+        state = {"nodes": [{"node_id": HEAD, "node_ip": "10.0.0.1", "is_head_node": True},
+                           {"node_id": WORKER, "node_ip": "10.0.0.2", "is_head_node": False}],
+                 "actors": [{"actor_id": f"a{r}", "class_name": "RayWorkerProc", "state": "ALIVE",
+                             "pid": 10 + r, "node_id": HEAD if r < 2 else WORKER} for r in range(4)]
+                 + [{"actor_id": "x", "class_name": "_StatsActor", "state": "ALIVE", "node_id": HEAD}]}
+        if url.path == "/health":
+            return 200, ""
+        if url.path == "/v1/models":
+            return 200, {"data": [{"id": m, "max_model_len": 4608} for m in self.models]}
+        if url.path.startswith("/api/v0/") and url.path[8:] in state:
+            return 200, {"result": True, "data": {"result": {"result": state[url.path[8:]]}}}
+        if url.path == "/api/v0/logs/file":
+            query = parse_qs(url.query)
+            return 200, WORKER_LOG[query["actor_id"][0]] if query["suffix"] == ["err"] else ""
+        return 404, "not found"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture

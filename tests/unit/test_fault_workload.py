@@ -7,14 +7,13 @@ nemesis stops and continues with signals.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from loopback import Loopback
 
 from vllm_zerocopy_testbed import nemesis as nemeses
 from vllm_zerocopy_testbed.checker import faults
@@ -33,40 +32,20 @@ class Server:
 
     def __init__(self) -> None:
         self.healthy = self.answering = True
-        server = self
+        self.http = Loopback(self.route)
+        self.url = self.http.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _reply(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._reply(200 if server.healthy else 503, {})
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if not server.answering:
-                    self._reply(500, {"error": {"message": "EngineCore encountered an issue"}})
-                    return
-                self._reply(200, {"id": "c", "object": "text_completion", "created": 0, "model": "m",
-                                  "choices": [{"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}],
-                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
+    def route(self, method: str, path: str) -> tuple[int, object]:
+        if method == "GET":
+            return (200 if self.healthy else 503), {}
+        if not self.answering:
+            return 500, {"error": {"message": "EngineCore encountered an issue"}}
+        return 200, {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
     def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        self.http.close()
 
 
 @pytest.fixture

@@ -142,9 +142,9 @@ class ExternalCluster(Cluster):
             raise RuntimeError(f"Ray's state API ({resource}): {body.get('msg')}")
         return list(body["data"]["result"]["result"])
 
-    def nodes(self) -> dict[str, str]:
-        """Ray node id -> a name: ``head`` for the head node, else ``node-IP``."""
-        return {n["node_id"]: "head" if n.get("is_head_node") else f"node-{n['node_ip']}"
+    def node_names(self) -> dict[str, str]:
+        """Node IP -> a name: ``head`` for the head node, else ``node-IP``."""
+        return {n["node_ip"]: "head" if n.get("is_head_node") else f"node-{n['node_ip']}"
                 for n in self._state("nodes")}
 
     def workers(self) -> list[dict[str, Any]]:
@@ -178,9 +178,7 @@ class ExternalCluster(Cluster):
         """Each rank's node, from the workers' rank lines (empty without a dashboard)."""
         if self.target.dashboard is None:
             return []
-        names = self.nodes()
-        by_ip = {n["node_ip"]: names[n["node_id"]] for n in self._state("nodes")}
-        return parse_placement(self.logs(), by_ip, "", int(self.settings["TESTBED_TP"]))
+        return parse_placement(self.logs(), self.node_names(), "", int(self.settings["TESTBED_TP"]))
 
     def mode_lines(self) -> list[str]:
         """The Ray workers' ``testbed modes`` lines (a vLLM without the testbed's plugin logs none)."""

@@ -24,9 +24,6 @@ DEPLOY_DIR = REPO_ROOT / "deploy" / "kuberay"
 RAY_VERSION = "2.60.0"
 # Ports of the head pod (KubeRay's head service exposes the head container's named ports).
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "api": 8000}
-# The head's healthcheck in compose: warmed up (the marker) and still answering.
-HEAD_READY = ("test -f /tmp/testbed-ready && python -c \"import urllib.request; "
-              "urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=3)\"")
 # Compose-only settings that mean nothing in a pod (the cluster network's name is fixed there).
 _NOT_IN_PODS = {"TESTBED_HEAD_HOST"}
 
@@ -62,25 +59,31 @@ def _container(name: str, service: dict[str, Any], command: str, gpus: int, env:
     }
 
 
+def _probe(service: dict[str, Any]) -> dict[str, Any]:
+    """The service's compose healthcheck as a Kubernetes exec probe (head: warmed up and answering)."""
+    kind, *test = service["healthcheck"]["test"]
+    command = ["sh", "-c", test[0]] if kind == "CMD-SHELL" else test
+    return {"exec": {"command": command}, "periodSeconds": 5, "timeoutSeconds": 5,
+            "failureThreshold": int(service["healthcheck"].get("retries", 3))}
+
+
 def render(profile: str) -> dict[str, Any]:
     """The ``RayCluster`` for ``profile`` (``cpu`` or ``gpu``)."""
     services = compose_services(profile)
     head, worker = services["head"], services["worker"]
     name = f"vllm-zerocopy-testbed-{profile}"
     gpus = int(head["environment"].get("TESTBED_GPUS_PER_NODE", 0)) if profile == "gpu" else 0
-    shm = str(head.get("shm_size", "2gb"))
-    shm_limit = f"{int(shm) // 2**30}Gi" if shm.isdigit() else shm.upper().replace("GB", "Gi")
+    shm_limit = f"{int(head['shm_size']) // 2**30}Gi"  # compose config gives bytes
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}}]
 
     head_container = _container("ray-head", head, "testbed-head", gpus, {})
     head_container["ports"] = [{"name": n, "containerPort": p} for n, p in HEAD_PORTS.items()]
-    head_container["readinessProbe"] = {"exec": {"command": ["bash", "-c", HEAD_READY]}, "periodSeconds": 5,
-                                        "timeoutSeconds": 5, "failureThreshold": 3}
+    head_container["readinessProbe"] = _probe(head)
     head_container["startupProbe"] = {**head_container["readinessProbe"], "failureThreshold": 120}
     # The worker script finds the head by name: KubeRay's head service.
     worker_container = _container("ray-worker", worker, "testbed-worker", gpus,
                                   {"TESTBED_HEAD_HOST": f"{name}-head-svc"})
-    worker_container["readinessProbe"] = {"exec": {"command": ["pgrep", "-f", "raylet"]}, "periodSeconds": 5}
+    worker_container["readinessProbe"] = _probe(worker)
     workers = int(head["environment"]["TESTBED_WORKERS"])
     return {
         "apiVersion": "ray.io/v1",
