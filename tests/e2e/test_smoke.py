@@ -69,7 +69,10 @@ def test_every_process_runs_the_profile_modes(cluster) -> None:
     lines = cluster.backend.mode_lines()
     want = (f"broadcast={cluster.profile.broadcast.value} detach={cluster.profile.detach.value} "
             f"inflight={cluster.profile.detach.value}")
-    if not cluster.backend.owned and not MODES_CHOSEN and lines:
+    if not cluster.backend.owned and not lines:
+        pytest.skip("the external cluster's Ray workers log no testbed modes line: a vLLM without the "
+                    "testbed's plugin runs what it installed")
+    if not cluster.backend.owned and not MODES_CHOSEN:
         want = re.search(r"broadcast=\S+ detach=\S+ inflight=\S+", lines[0])[0]
         REPORT.notes.append(f"{cluster.profile}: the external cluster's Ray workers run {want}")
     tp, pp = int(cluster.settings["TESTBED_TP"]), int(cluster.settings["TESTBED_PP"])
