@@ -86,9 +86,15 @@ def watch(address: str, nodes: int, server_pid: int, grace_s: float, poll_s: flo
         if not _alive(server_pid):
             log.error("testbed watchdog: the API server exited; the head exits non-zero to be restarted")
             return EXIT_SERVER_GONE
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        # Only once the server is warmed up: start-up may legitimately end actors of its own.
-        dead_workers = _dead_vllm_workers() if ready_file is None or os.path.exists(ready_file) else []
+        try:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            # Only once the server is warmed up: start-up may legitimately end actors of its own.
+            dead_workers = _dead_vllm_workers() if ready_file is None or os.path.exists(ready_file) else []
+        except Exception as exc:  # the GCS gone (Ray may also end this process for that: the head script acts then)
+            log.error("testbed watchdog: Ray's node table unreadable (%s: %s); stopping the API server",
+                      type(exc).__name__, exc)
+            stop(server_pid)
+            return EXIT_NODE_LOST
         if dead_workers:
             log.error("testbed watchdog: vLLM's Ray worker actors died (%s); stopping the API server so that "
                       "requests fail now and the head restarts", ", ".join(dead_workers))
