@@ -70,6 +70,12 @@ bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e onl
 # Each fault run costs cluster recoveries: one profile unless named (make faults EXECUTOR="v2 cgraph").
 faults: EXECUTOR = v2
 faults: MODES = testbed
+# pause-worker-node-large: scheduler steps that admit 7 prompt_embeds of 2.3 MiB (>= 16 MiB to the
+# worker node: 4682 rows each, past the default 4608 positions), and the MessageQueue timeline
+# that shows they did.
+faults: export TESTBED_MAX_MODEL_LEN ?= 8192
+faults: export TESTBED_SERVE_ARGS ?= --max-num-batched-tokens 40960
+faults: export TESTBED_MQ_TIMELINE ?= 1
 faults: $(E2E_DEPS) ## tests/faults: bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
 	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
 

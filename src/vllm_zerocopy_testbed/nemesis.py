@@ -11,6 +11,7 @@ Recovery itself is the cluster's job (restart policies, the head's watchdog) or
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,6 +35,9 @@ class Nemesis:
     apply: Callable[[Cluster, str], None]
     heal: Callable[[Cluster, str], None] = lambda cluster, node: None
     needs: tuple[str, ...] = ()  # the Cluster operations it calls
+    # What streams beside it: "mixed" (logprobs and a 1 MiB prompt_embeds request) or "large"
+    # (batches of prompt_embeds whose one scheduler step is >= 16 MiB: past the socket buffers).
+    workload: str = "mixed"
 
     def __str__(self) -> str:
         return self.name
@@ -47,22 +51,48 @@ class Nemesis:
         return None
 
 
-def _kill_ray_worker_actor(cluster: Cluster, node: str) -> None:
-    if not cluster.kill_process(node, RAY_WORKER_ACTOR):
-        raise RuntimeError(f"no Ray worker actor process ({RAY_WORKER_ACTOR}) found on {node}")
+def _signal(pattern: str, signum: int, count: int | None = None) -> Callable[[Cluster, str], None]:
+    def step(cluster: Cluster, node: str) -> None:
+        if not cluster.signal_process(node, pattern, signum, count):
+            raise RuntimeError(f"no process matching {pattern!r} found on {node}")
+
+    return step
+
+
+def _continue(pattern: str) -> Callable[[Cluster, str], None]:
+    """SIGCONT to every match (harmless to a running one); a no-op once they are gone."""
+    def step(cluster: Cluster, node: str) -> None:
+        cluster.signal_process(node, pattern, signal.SIGCONT)
+
+    return step
 
 
 NEMESES = (
     Nemesis("kill-worker-node", "every process of the worker node killed at once (PP stage 1)", "worker",
             lambda c, n: c.kill(n), needs=("kill",)),
     Nemesis("kill-ray-worker-actor", "SIGKILL of the head's vLLM Ray worker actor processes (PP stage 0)", "head",
-            _kill_ray_worker_actor, needs=("kill_process",)),
+            _signal(RAY_WORKER_ACTOR, signal.SIGKILL), needs=("signal_process",)),
     Nemesis("pause-worker-node", f"the worker node frozen for {HOLD_S:.0f} s (longer than the step bound)", "worker",
             lambda c, n: c.pause(n), lambda c, n: c.resume(n), needs=("pause", "resume")),
     Nemesis("disconnect-worker-node", f"the worker node off the cluster network for {HOLD_S:.0f} s", "worker",
             lambda c, n: c.isolate(n), lambda c, n: c.rejoin(n), needs=("isolate", "rejoin")),
     Nemesis("restart-worker-node", "the worker node stopped and started again", "worker",
             lambda c, n: c.restart(n), needs=("restart",)),
+    # Aimed at the zero-copy paths (issue 19):
+    Nemesis("pause-worker-node-large", f"the worker node frozen for {HOLD_S:.0f} s while >= 16 MiB scheduler steps "
+            "(prompt_embeds batches) cross to it: past the socket buffers, ZMQ cannot finish a send", "worker",
+            lambda c, n: c.pause(n), lambda c, n: c.resume(n), needs=("pause", "resume"), workload="large"),
+    Nemesis("stop-ray-worker-actor", f"one Ray worker actor of the worker node (one TP rank of PP stage 1) SIGSTOPped "
+            f"for {HOLD_S:.0f} s, its node healthy: a gray failure, one slow rank", "worker",
+            _signal(RAY_WORKER_ACTOR, signal.SIGSTOP, count=1), _continue(RAY_WORKER_ACTOR),
+            needs=("signal_process",)),
+    Nemesis("fill-worker-shm", f"the worker node's /dev/shm filled to its last byte for {HOLD_S:.0f} s", "worker",
+            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm")),
+    Nemesis("fill-head-shm", f"the head's /dev/shm filled to its last byte for {HOLD_S:.0f} s: the engine's "
+            "MessageQueue ring there is sparse (pages allocated at first write)", "head",
+            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm")),
+    Nemesis("kill-head-gcs", "SIGKILL of the head's Ray GCS (gcs_server): every Ray process loses its control plane",
+            "head", _signal("gcs_server", signal.SIGKILL), needs=("signal_process",)),
 )
 
 

@@ -121,33 +121,38 @@ class RunReport:
 
 
 def faults_table(rows: list[dict[str, Any]]) -> str:
-    """Return the nemesis table: bound, time to first error, last end, /health, recovery, bit-exact."""
-    lines = ["| nemesis | bound | requests (failed) | first error | last request ended | /health not 200 | "
+    """Return the nemesis table: profile, bound, time to first error, last end, /health, recovery,
+    bit-exact; each row's note (what the nemesis saw beside its figures) below it."""
+    lines = ["| nemesis | profile | bound | requests (failed) | first error | last request ended | /health not 200 | "
              "recovered | bit-exact after |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for r in rows:
         first = f"{r['first_error_s']:.1f} s" if r["first_error_s"] >= 0 else "none"
         health = f"{r['unhealthy_after_s']:.1f} s" if r["unhealthy_after_s"] is not None else "stayed 200"
         verdict = "" if r["within_bound"] else " **over bound**"
-        lines.append(f"| {r['nemesis']} | {r['bound_s']:.0f} s | {r['requests']} ({r['failed']}) | {first} | "
-                     f"{r['last_end_s']:.1f} s{verdict} | {health} | {r['recovered']} in {r['recovery_s']:.0f} s | "
-                     f"{'yes' if r['bit_exact_after'] else 'NO'} |")
-    return "\n".join(lines)
+        lines.append(f"| {r['nemesis']} | {r.get('profile') or '-'} | {r['bound_s']:.0f} s | {r['requests']} "
+                     f"({r['failed']}) | {first} | {r['last_end_s']:.1f} s{verdict} | {health} | {r['recovered']} in "
+                     f"{r['recovery_s']:.0f} s | {'yes' if r['bit_exact_after'] else 'NO'} |")
+        if r.get("note"):
+            notes.append(f"- {r['nemesis']} ({r.get('profile') or '-'}): {r['note']}")
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def fault_row(nemesis: str, what: str, backend: str, bound: Verdict, records: Iterable[Record], fault_at: float,
-              unhealthy_after_s: float | None, recovered: str, recovery_s: float, bit_exact_after: bool) -> dict[str, Any]:
+              unhealthy_after_s: float | None, recovered: str, recovery_s: float, bit_exact_after: bool,
+              *, profile: str = "", note: str = "") -> dict[str, Any]:
     """One row of ``faults.json``: what the nemesis did and how the cluster took it (seconds after the fault)."""
     errors = sorted({(r.error or "")[:120] for r in records if not r.ok and r.started + r.latency_s >= fault_at})
     figures = bound.figures
     return {
-        "nemesis": nemesis, "what": what, "backend": backend, "bound_s": figures.get("bound_s", 0.0),
+        "nemesis": nemesis, "what": what, "backend": backend, "profile": profile, "bound_s": figures.get("bound_s", 0.0),
         "requests": int(figures.get("requests", 0)), "failed": int(figures.get("failed", 0)),
         "first_error_s": round(figures.get("first_error_s", -1.0), 1),
         "last_end_s": round(figures.get("last_end_s", 0.0), 1), "within_bound": bound.ok,
         "unhealthy_after_s": round(unhealthy_after_s, 1) if unhealthy_after_s is not None else None,
         "recovered": recovered, "recovery_s": round(recovery_s, 1), "bit_exact_after": bit_exact_after,
-        "errors": errors[:3],
+        "errors": errors[:3], "note": note,
     }
 
 

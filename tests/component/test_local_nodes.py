@@ -2,11 +2,12 @@
 
 Ray gives each worker process its own process group, so signalling a node's group would miss
 the very actors vLLM runs; these tests place an actor on the second node and check that
-pause, resume, kill-by-pattern and restart reach it (and only it)."""
+pause, resume, signal-by-pattern and restart reach it (and only it)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,9 +80,17 @@ def test_pause_stops_the_actors_of_the_node_and_resume_continues_them(nodes: Loc
     wait_until("node 1 running", lambda: nodes.node_state(1) == "running", timeout=5, poll_s=0.05)
 
 
-def test_kill_processes_kills_what_matches_on_that_node_only(nodes: LocalRayCluster, probe: int) -> None:
-    assert nodes.kill_processes(0, "ray::Probe") == [], "no probe on the head node"
-    assert nodes.kill_processes(1, "ray::Probe") == [probe]
+def test_signal_processes_reaches_what_matches_on_that_node_only(nodes: LocalRayCluster, probe: int) -> None:
+    # A gray failure first: the actor alone stopped, its node running on.
+    assert nodes.signal_processes(1, "ray::Probe", signal.SIGSTOP, count=1) == [probe]
+    wait_until("probe stopped", lambda: is_stopped(probe), timeout=5, poll_s=0.05)
+    others = [pid for pid in nodes.node_pids(1) if pid != probe]
+    assert others and not any(is_stopped(pid) for pid in others), "only the actor stopped"
+    assert nodes.node_state(1) == "running"
+    assert nodes.signal_processes(1, "ray::Probe", signal.SIGCONT) == [probe]
+    wait_until("probe running", lambda: not is_stopped(probe), timeout=5, poll_s=0.05)
+    assert nodes.signal_processes(0, "ray::Probe") == [], "no probe on the head node"
+    assert nodes.signal_processes(1, "ray::Probe") == [probe]
     deadline = time.monotonic() + 10
     while _alive(probe) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -98,11 +98,16 @@ def reference() -> Iterator[Reference]:
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
 
 
+RUN_SETTINGS = ("TESTBED_SERVE_ARGS", "TESTBED_MQ_TIMELINE", "TESTBED_MAX_MODEL_LEN")
+
+
 @pytest.fixture(scope="session")
 def cluster(profile: Profile, reference: Reference) -> Iterator[LiveCluster]:
     """The profile's cluster: reused when already up with the same settings, else brought up and down."""
     backend = cluster_from_env(up_timeout=900, overrides=profile.env())
-    if backend.serves(profile.env()):
+    # Beyond the profile, what a run may set (make faults: the batch budget, the timeline).
+    wanted = {**profile.env(), **{k: backend.settings.values.get(k, "") for k in RUN_SETTINGS}}
+    if backend.serves(wanted):
         yield LiveCluster(backend, profile)
         return
     with backend as running:

@@ -135,8 +135,10 @@ def test_the_faults_table_says_how_each_nemesis_ended() -> None:
 
     row = {"nemesis": "kill-worker-node", "bound_s": 60.0, "requests": 5, "failed": 3, "first_error_s": 12.3,
            "last_end_s": 14.0, "within_bound": True, "unhealthy_after_s": 13.1, "recovered": "make up",
-           "recovery_s": 170.2, "bit_exact_after": True}
+           "recovery_s": 170.2, "bit_exact_after": True, "profile": "v2/testbed"}
     line = faults_table([row, {**row, "nemesis": "pause", "within_bound": False, "unhealthy_after_s": None,
-                               "first_error_s": -1.0}]).splitlines()
-    assert line[2] == "| kill-worker-node | 60 s | 5 (3) | 12.3 s | 14.0 s | 13.1 s | make up in 170 s | yes |"
+                               "first_error_s": -1.0, "note": "largest step 16.0 MiB"}]).splitlines()
+    assert line[2] == ("| kill-worker-node | v2/testbed | 60 s | 5 (3) | 12.3 s | 14.0 s | 13.1 s | make up in 170 s "
+                       "| yes |")
     assert "**over bound**" in line[3] and "stayed 200" in line[3] and "| none |" in line[3]
+    assert line[-1] == "- pause (v2/testbed): largest step 16.0 MiB", "a row's note goes below the table"

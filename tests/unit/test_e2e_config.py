@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ConfigError, Executor, e2e_profiles
+from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, Executor, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
-from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_REGEXES, EmbedsSizes, reference_specs, structured_specs
+from vllm_zerocopy_testbed.workload.catalog import (LARGE_STEP_BYTES, STRUCTURED_REGEXES, EmbedsSizes, batched_tokens,
+                                                    large_step_specs, reference_specs, structured_specs)
 from vllm_zerocopy_testbed.workload.embeds import WIRE_BYTES_PER_ROW
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -72,3 +73,24 @@ def test_a_link_rate_must_be_positive() -> None:
     """``ComposeCluster.shape`` refuses a rate that would stop the link, before touching anything."""
     with pytest.raises(ValueError, match="rate_mbit"):
         ComposeCluster().shape("head", 0)
+
+
+def test_large_steps_pass_the_socket_buffers_and_say_what_they_need() -> None:
+    specs = large_step_specs(max_num_seqs=8, max_model_len=8192)  # what make faults sets
+    (spec,) = specs
+    assert len(spec.embeds) == 8, "one part per sequence slot"
+    assert sum(e.wire_bytes for e in spec.embeds[1:]) >= LARGE_STEP_BYTES, "seven parts (one step) carry 16 MiB"
+    assert batched_tokens(specs) == sum(len(e.ids) for e in spec.embeds) <= 40960  # make faults' budget
+    with pytest.raises(ValueError, match="TESTBED_MAX_NUM_SEQS or TESTBED_MAX_MODEL_LEN"):
+        large_step_specs(max_num_seqs=8, max_model_len=4608)
+
+
+@pytest.mark.parametrize("args, tokens", [("", None), ("--enforce-eager", None), ("--max-num-batched-tokens 36864", 36864),
+                                          ("--max-num-batched-tokens=512 --enforce-eager", 512)])
+def test_the_batch_budget_is_read_from_the_serve_args(args: str, tokens: int | None) -> None:
+    assert ClusterSettings.from_env({"TESTBED_SERVE_ARGS": args}).max_num_batched_tokens == tokens
+
+
+def test_a_bad_batch_budget_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens needs a number"):
+        ClusterSettings.from_env({"TESTBED_SERVE_ARGS": "--max-num-batched-tokens lots"}).max_num_batched_tokens

@@ -20,6 +20,7 @@ from vllm_zerocopy_testbed.checker import faults
 from vllm_zerocopy_testbed.cluster import recovery
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.process import is_stopped
+from vllm_zerocopy_testbed.waits import wait_until
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History
 from vllm_zerocopy_testbed.workload.runner import Runner
 from vllm_zerocopy_testbed.workload.stream import HealthWatch, Stream
@@ -67,10 +68,12 @@ def _runner(server: Server, history: History) -> Runner:
 def test_the_stream_sends_until_stopped_and_keeps_every_failure(server: Server) -> None:
     history = History()
     stream = Stream(_runner(server, history), SPECS, clients=2, retry_s=0.1).start()
-    time.sleep(0.5)
+    # Waits on what happened, not fixed sleeps: a busy machine's first requests can take seconds.
+    wait_until("both specs answered", lambda: {r.key for r in list(stream.records) if r.ok} == {"a", "b"},
+               timeout=30, poll_s=0.05)
     server.answering = False
     failing_from = time.time()
-    time.sleep(0.5)
+    wait_until("a failed request", lambda: any(not r.ok for r in list(stream.records)), timeout=30, poll_s=0.05)
     stop_at = time.time()
     stream.stop(stop_at)
     assert stream.join(10), "every client ended once stopped"
@@ -211,3 +214,18 @@ def test_recovery_does_not_wait_for_a_node_that_nothing_restarts(one: OneProcess
     one.proc.wait(5)
     got = recovery.recover(one, "m", self_recovery_s=30, poll_s=0.1)
     assert got.how == "make up" and got.seconds < 5 and "head exited" in got.why, got
+
+
+def test_each_backend_says_which_nemeses_it_can_run() -> None:
+    from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
+    from vllm_zerocopy_testbed.cluster.external import ExternalCluster
+    from vllm_zerocopy_testbed.cluster.interface import NEMESIS_OPERATIONS
+    from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster
+
+    assert all(set(n.needs) <= set(NEMESIS_OPERATIONS) for n in nemeses.NEMESES)
+    compose, local, external = (object.__new__(c) for c in (ComposeCluster, LocalVllmCluster, ExternalCluster))
+    assert [n.name for n in nemeses.NEMESES if n.cannot(compose)] == []
+    assert [n.name for n in nemeses.NEMESES if n.cannot(local)] == ["disconnect-worker-node", "fill-worker-shm",
+                                                                         "fill-head-shm"]
+    assert "share this machine's /dev/shm" in nemeses.by_name("fill-worker-shm").cannot(local)
+    assert all(n.cannot(external) for n in nemeses.NEMESES), "an external cluster is never hurt"

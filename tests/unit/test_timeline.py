@@ -179,3 +179,23 @@ def test_a_scheduled_batch_is_logged_and_left_out_of_the_figures(lines) -> None:
     assert [(e["ev"], e.get("tokens"), e.get("reqs"), e.get("rows")) for e in found] == [
         ("schedule", 5, 2, None), ("write", None, None, 3)]
     assert _summary(lines) == {}
+
+
+def test_the_path_figures_add_up_each_message_and_count_what_zmq_kept(pair, lines) -> None:
+    sender, receiver = pair
+    for sizes in ((2, 3), (1,)):
+        frames = [b"m", *(memoryview(bytearray(n * MiB)) for n in sizes)]
+        timeline.on_send(sender, "remote", frames)
+        sender.send_multipart(frames, copy=False)
+        receiver.recv_multipart()  # a copy: ZMQ lets go of the frames
+        del frames
+    _wait_for(lines, "release", 3)
+    kept = [b"c", memoryview(bytearray(1 * MiB))]
+    timeline.on_send(sender, "remote", kept)  # handed over, never sent: not released
+    timeline.on_send(sender, "overflow", [b"d", bytearray(8 * MiB)])  # a local reader's path: not counted
+    logs = "\n".join(f"(EngineCore pid=1) INFO [testbed] {line}" for line in lines)
+    figures = checker.path_figures(logs)
+    assert figures["largest_bytes"] == 5 * MiB and figures["frames"] == 4 and figures["unreleased"] == 1
+    assert figures["held_ms_max"] >= 0
+    assert checker.path_figures(logs, path="overflow")["largest_bytes"] == 8 * MiB
+    assert checker.path_figures("no timeline here")["largest_bytes"] == 0

@@ -153,3 +153,27 @@ def table(summary: dict[str, KindFigures]) -> str:
         row = figures.as_dict()
         lines.append("| " + " | ".join("" if row[c] is None else str(row[c]) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def path_figures(logs: str, path: str = "remote") -> dict[str, float]:
+    """What the writer sent on ``path`` (``remote``: to the TCP readers of another node), from its
+    ``send`` and ``release`` events: ``largest_bytes`` (the most out-of-band bytes one message
+    carried), ``frames``, ``unreleased`` (frames ZMQ never let go of while the writer lived) and
+    ``held_ms_max`` (the longest hand-off to release)."""
+    found = events(logs)
+    releases = {(e.get("pid"), *_key(e)): e["t"] for e in found if e.get("ev") == "release"}
+    sizes: dict[tuple[Any, Any, Any], int] = {}
+    frames, unreleased, held = 0, 0, [0.0]
+    for event in found:
+        if event.get("ev") != "send" or event.get("path") != path:
+            continue
+        message = (event.get("pid"), event.get("port"), event.get("seq"))
+        sizes[message] = sizes.get(message, 0) + int(event.get("nbytes", 0))
+        frames += 1
+        released = releases.get((event.get("pid"), *_key(event)))
+        if released is None:
+            unreleased += 1
+        else:
+            held.append((released - event["t"]) * 1e3)
+    return {"largest_bytes": float(max(sizes.values(), default=0)), "frames": float(frames),
+            "unreleased": float(unreleased), "held_ms_max": _round(max(held))}

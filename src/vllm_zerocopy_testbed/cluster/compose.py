@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 NETWORK = "testbed"
 HEAD_IP = "172.29.77.10"  # fixed in compose.yaml
+SHM_FILL = "/dev/shm/testbed-fill"  # fill_shm's file, in the container's own /dev/shm
 
 class ComposeCluster(Cluster):
     """Our compose project; a context manager that always brings it down."""
@@ -210,16 +212,37 @@ class ComposeCluster(Cluster):
     def restart(self, node: str) -> None:
         self._run(["docker", "restart", "--time", "10", self._container(node)], timeout=60)
 
-    def kill_process(self, node: str, pattern: str) -> list[int]:
-        """SIGKILL the processes of ``node``'s container whose command line contains ``pattern``.
-
-        Only inside our own container, by the PIDs ``pgrep`` finds there; return them.
-        """
+    def signal_process(self, node: str, pattern: str, signum: int = signal.SIGKILL,
+                       count: int | None = None) -> list[int]:
+        """Send ``signum`` to the processes of ``node``'s container whose command line contains
+        ``pattern`` (the first ``count`` by PID, or all). Only inside our own container, by the
+        PIDs ``pgrep`` finds there (container PIDs); return them."""
         container = self._container(node)
-        pids = self._run(["docker", "exec", container, "pgrep", "-f", pattern], timeout=30, check=False).stdout.split()
+        found = self._run(["docker", "exec", container, "pgrep", "-f", pattern], timeout=30, check=False).stdout
+        pids = sorted(int(p) for p in found.split())[:count]
         if pids:
-            self._run(["docker", "exec", container, "kill", "-9", *pids], timeout=30)
-        return [int(p) for p in pids]
+            self._run(["docker", "exec", container, "kill", f"-{signal.Signals(signum).name.removeprefix('SIG')}",
+                       *map(str, pids)], timeout=30)
+        return pids
+
+    def usage(self, node: str) -> dict[str, float]:
+        """Sampled inside the node's container (``node/usage.py``): every process there, its own
+        /dev/shm, its raylet's object store."""
+        script = ('exec python -m vllm_zerocopy_testbed.node.usage --gcs ' + f"{HEAD_IP}:6379" +
+                  ' --node-ip "${TESTBED_NODE_IP:-$(hostname -i | cut -d" " -f1)}"')
+        out = self._run(["docker", "exec", self._container(node), "sh", "-c", script], timeout=60).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def fill_shm(self, node: str) -> int:
+        """Fill ``node``'s /dev/shm (its own tmpfs, ``shm_size``) with one file of every free byte."""
+        container = self._container(node)
+        script = (f"free=$(df --output=avail -B1 /dev/shm | tail -1); fallocate -l \"$free\" {SHM_FILL} "
+                  f"&& stat -c %s {SHM_FILL}")
+        return int(self._run(["docker", "exec", container, "sh", "-c", script], timeout=60).stdout.split()[-1])
+
+    def free_shm(self, node: str) -> None:
+        if self.state(node) in ("running", "paused", "isolated"):
+            self._run(["docker", "exec", self._container(node), "rm", "-f", SHM_FILL], timeout=30, check=False)
 
     def _in_netns(self, service: str, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a host command (``tc``) inside ``service``'s network namespace: only our own

@@ -86,6 +86,15 @@ class Cluster(Service):
         the reason."""
         return None
 
+    def nodes(self) -> list[str]:
+        """The node names the nemesis and usage operations take."""
+        return ["head", "worker"]
+
+    def usage(self, node: str) -> dict[str, float]:
+        """What ``node`` holds now (``node/usage.py``): ``rss_mb``, ``fds``, ``processes``, and where the
+        backend sees them ``shm_mb``, ``shm_files``, ``object_store_mb``. ``make soak`` samples it."""
+        raise Unsupported(f"{type(self).__name__} cannot sample a node's usage")
+
     # -- nemeses: what goes wrong on purpose (nemesis.py); ``node`` is "head" or "worker" --------
     # Operations a backend cannot do, and why (the tests that need one skip with the reason).
     UNSUPPORTED: dict[str, str] = {}
@@ -108,7 +117,10 @@ NEMESIS_OPERATIONS = {
     "isolate": "(node) cut a node off the cluster's network, its processes running",
     "rejoin": "(node) undo isolate; a no-op where the node is not isolated or is gone",
     "restart": "(node) stop a node (bounded grace) and start it again with the same settings",
-    "kill_process": "(node, pattern) SIGKILL a node's processes whose command line contains pattern; their PIDs",
+    "signal_process": "(node, pattern, signum=SIGKILL, count=None) send signum to a node's processes whose command "
+                      "line contains pattern (the first count by PID, or all), the node itself left alone; their PIDs",
+    "fill_shm": "(node) fill the node's /dev/shm with one file of all its free bytes; the bytes it took",
+    "free_shm": "(node) remove fill_shm's file; a no-op where there is none or the node is gone",
     "state": "(node) the node's state: running, paused, isolated, exited or missing",
 }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
-from vllm_zerocopy_testbed.cluster.process import is_stopped, kill_matching, session_pids, signal_session
+from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.node import ray_nodes
@@ -178,9 +178,11 @@ class LocalRayCluster:
         """SIGCONT every process of node ``index``; return them."""
         return signal_session(self._procs[index].pid, signal.SIGCONT)
 
-    def kill_processes(self, index: int, pattern: str) -> list[int]:
-        """SIGKILL the processes of node ``index`` whose command line contains ``pattern``."""
-        return kill_matching(self._procs[index].pid, pattern)
+    def signal_processes(self, index: int, pattern: str, signum: int = signal.SIGKILL,
+                         count: int | None = None) -> list[int]:
+        """Send ``signum`` to the processes of node ``index`` whose command line contains ``pattern``
+        (the first ``count`` by PID, or all); return them."""
+        return signal_matching(self._procs[index].pid, pattern, signum, count)
 
     def restart_node(self, index: int, timeout: float = 60.0) -> None:
         """Kill node ``index`` and start it again (same address, ports, resources); wait until it joined."""

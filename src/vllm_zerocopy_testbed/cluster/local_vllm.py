@@ -22,9 +22,10 @@ from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
-from vllm_zerocopy_testbed.cluster.process import is_stopped, kill_matching, signal_session, stop_group
+from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session, stop_group
 from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.node import usage as node_usage
 from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env
 from vllm_zerocopy_testbed.node.warmup import warm_up, warms_logprobs
 
@@ -36,8 +37,10 @@ API_PORT = 8011
 class LocalVllmCluster(Cluster):
     """Head node (Ray, the API server, its watchdog) and worker nodes as local process sessions."""
 
-    UNSUPPORTED = {op: "local nodes share one network namespace (loopback): none can be cut off alone; "
-                       "TESTBED_CLUSTER=compose" for op in ("isolate", "rejoin")}
+    UNSUPPORTED = {**{op: "local nodes share one network namespace (loopback): none can be cut off alone; "
+                          "TESTBED_CLUSTER=compose" for op in ("isolate", "rejoin")},
+                   **{op: "local nodes share this machine's /dev/shm: filling it hurts more than one node "
+                          "(and the machine); TESTBED_CLUSTER=compose" for op in ("fill_shm", "free_shm")}}
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0) -> None:
         self.settings = settings or ClusterSettings.from_env()
@@ -166,12 +169,27 @@ class LocalVllmCluster(Cluster):
             return
         self.ray.restart_node(index)
 
-    def kill_process(self, node: str, pattern: str) -> list[int]:
+    def signal_process(self, node: str, pattern: str, signum: int = signal.SIGKILL,
+                       count: int | None = None) -> list[int]:
         index = self._index(node)
-        pids = self.ray.kill_processes(index, pattern)
+        pids = self.ray.signal_processes(index, pattern, signum, count)
         for sid in self._head_sessions() if index == 0 else []:
-            pids += kill_matching(sid, pattern)
+            if count is None or len(pids) < count:
+                pids += signal_matching(sid, pattern, signum, None if count is None else count - len(pids))
         return pids
+
+    def usage(self, node: str) -> dict[str, float]:
+        """The node's process sessions; /dev/shm is this machine's, shared by every node: the
+        head's sample carries it, the workers' do not."""
+        index = self._index(node)
+        pids = set(self.ray.node_pids(index))
+        for sid in self._head_sessions() if index == 0 else []:
+            pids.update(session_pids(sid))
+        figures = node_usage.processes(sorted(pids))
+        if index == 0:
+            figures.update(node_usage.shm())
+        figures.update(node_usage.object_store(self.ray.address, self.ray.nodes[index].ip))
+        return figures
 
     def state(self, node: str) -> str:
         index = self._index(node)

@@ -91,6 +91,8 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def kill_matching(sid: int, pattern: str) -> list[int]:
-    """SIGKILL the processes of session ``sid`` whose command line contains ``pattern``; return them."""
-    return _signal_each([pid for pid in session_pids(sid) if pattern in command_line(pid)], signal.SIGKILL)
+def signal_matching(sid: int, pattern: str, signum: int = signal.SIGKILL, count: int | None = None) -> list[int]:
+    """Send ``signum`` to the processes of session ``sid`` whose command line contains ``pattern``
+    (the first ``count`` by PID, or all); return the PIDs it reached."""
+    matching = [pid for pid in session_pids(sid) if pattern in command_line(pid)]
+    return _signal_each(matching if count is None else matching[:count], signum)

@@ -112,3 +112,33 @@ def reference_specs(sizes: EmbedsSizes, max_num_seqs: int) -> list[CompletionSpe
     """Every spec the cluster suites compare with the single-process reference."""
     return [*plain_specs(sizes), *embeds_specs(sizes), *embeds_batch_specs(), *logprobs_specs(), *prompt_logprobs_specs(),
             *stream_specs(), *concurrent_specs(2 * max_num_seqs)]
+
+
+# A scheduler step that carries this much prompt_embeds is past the socket buffers of a TCP
+# reader (here: 4 MiB send + the receive window): ZMQ cannot finish its send to a frozen one.
+LARGE_STEP_BYTES = 16 * 1024 * 1024
+
+
+def large_step_specs(max_num_seqs: int, max_model_len: int, step_bytes: int = LARGE_STEP_BYTES) -> list[CompletionSpec]:
+    """One request of ``max_num_seqs`` prompt_embeds, each step that admits them sending at least
+    ``step_bytes`` to the worker node (a new request's whole prompt_embeds goes with it).
+
+    Measured (MessageQueue timeline, two clients streaming such batches): the steps carry 1 and
+    ``max_num_seqs - 1`` of them in turn. The first part of a batch is admitted alone as the
+    engine picks it up, the rest a step later; so the batch's parts finish a step apart and the
+    next batch is admitted the same way. Sized so that ``max_num_seqs - 1`` parts carry
+    ``step_bytes``; the engine needs ``--max-num-batched-tokens`` >= ``batched_tokens(...)``.
+    Raises ValueError where the parts cannot fit in ``max_model_len``."""
+    if max_num_seqs < 2:
+        raise ValueError(f"a large step needs TESTBED_MAX_NUM_SEQS >= 2, got {max_num_seqs}")
+    rows = -(-step_bytes // ((max_num_seqs - 1) * WIRE_BYTES_PER_ROW))
+    if rows + MAX_TOKENS > max_model_len:
+        raise ValueError(f"{step_bytes} bytes in {max_num_seqs - 1} prompts need {rows} rows each, past max_model_len "
+                         f"{max_model_len}: raise TESTBED_MAX_NUM_SEQS or TESTBED_MAX_MODEL_LEN")
+    parts = tuple(Embeds(tuple(token_ids(rows, seed=300 + i))) for i in range(max_num_seqs))
+    return [CompletionSpec(f"embeds/step-{step_bytes >> 20}mib", embeds=parts, max_tokens=4, logprobs=2)]
+
+
+def batched_tokens(specs: list[CompletionSpec]) -> int:
+    """The most prompt tokens one spec brings: what one scheduler step must take to admit it whole."""
+    return max(sum(len(e.ids) for e in spec.embeds) + len(spec.prompt_ids or ()) for spec in specs)

@@ -1,0 +1,96 @@
+"""What one node holds right now: its processes' memory and file descriptors, its /dev/shm, its
+share of Ray's object store. ``make soak`` samples this every minute per node and fits a
+growth rate to each figure (a slow leak is a slope, not a level).
+
+Run inside a node (``python -m vllm_zerocopy_testbed.node.usage --gcs HEAD:6379 --node-ip IP``,
+what the compose backend does through ``docker exec``): one JSON object on stdout. The local
+backend calls the functions for its own process sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+MiB = 1024 * 1024
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0  # gone meanwhile, or a kernel thread
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def all_pids(exclude: Iterable[int] = ()) -> list[int]:
+    """Every process this PID namespace shows (a container: the node), but ``exclude``."""
+    skip = set(exclude)
+    return sorted(int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in skip)
+
+
+def processes(pids: Iterable[int]) -> dict[str, float]:
+    """Resident memory (the sum of VmRSS: pages shared by several processes count in each) and
+    open file descriptors of ``pids``."""
+    pids = list(pids)
+    return {"rss_mb": sum(_rss_bytes(p) for p in pids) / MiB, "fds": float(sum(_fds(p) for p in pids)),
+            "processes": float(len(pids))}
+
+
+def shm(path: str | Path = "/dev/shm") -> dict[str, float]:
+    """Bytes allocated in ``path`` (blocks, not apparent sizes: a sparse ring counts what it
+    touched) and the number of files there."""
+    allocated, files = 0, 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                allocated += os.lstat(os.path.join(root, name)).st_blocks * 512
+                files += 1
+            except OSError:
+                continue  # removed meanwhile
+    return {"shm_mb": allocated / MiB, "shm_files": float(files)}
+
+
+def object_store(gcs_address: str, node_ip: str) -> dict[str, float]:
+    """This node's Ray object store use, from its raylet (found in the GCS node table); no driver
+    is started. Empty where the GCS or the raylet does not answer."""
+    try:
+        from ray._private.internal_api import node_stats
+        from ray._raylet import GcsClient
+
+        nodes = GcsClient(address=gcs_address).get_all_node_info(timeout=10)
+        for info in nodes.values():
+            if info.state == 0 and info.node_manager_address == node_ip:  # 0: ALIVE
+                stats = node_stats(info.node_manager_address, info.node_manager_port, include_memory_info=False)
+                return {"object_store_mb": stats.store_stats.object_store_bytes_used / MiB,
+                        "object_store_objects": float(stats.store_stats.num_local_objects)}
+    except Exception:  # Ray's errors are many kinds: a sample without it is still a sample
+        pass
+    return {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gcs", default=None, help="the Ray GCS address (HEAD:6379); omit for no object store figure")
+    parser.add_argument("--node-ip", default=None, help="this node's Ray address")
+    args = parser.parse_args(argv)
+    figures = {**processes(all_pids(exclude=(os.getpid(),))), **shm()}
+    if args.gcs and args.node_ip:
+        figures.update(object_store(args.gcs, args.node_ip))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
