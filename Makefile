@@ -29,7 +29,7 @@ RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e faults multihost bench bench-quick mutants
+PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-quick mutants
 .PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
@@ -78,6 +78,10 @@ faults: export TESTBED_SERVE_ARGS ?= --max-num-batched-tokens 40960
 faults: export TESTBED_MQ_TIMELINE ?= 1
 faults: $(E2E_DEPS) ## tests/faults: bad input and nemeses (kill/pause/disconnect/restart a node mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
 	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
+
+DURATION ?= 30m
+soak: $(E2E_DEPS) ## one cluster, a mixed stream for DURATION (30m): bit-exact, bounds, per node per minute RSS, fds, /dev/shm, object store, growth vs budget; reports/<run>/soak.{json,md,png}, junit.xml
+	$(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
 
 multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)
 	$(PYTHON) -m pytest tests/multihost -m multihost -s $(PYTEST_ARGS)

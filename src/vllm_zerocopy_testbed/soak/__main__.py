@@ -1,0 +1,209 @@
+"""``make soak DURATION=30m``: one cluster, a continuous mixed stream, per-minute checks, growth rates.
+
+The workload: prompt_embeds at every transport size (in the ring, out of band, past the ring
+chunk) and dtype, a batch of embeds, logprobs k=1..20, prompt_logprobs, structured outputs,
+from ``--clients`` closed-loop clients (concurrent). Each answer must equal the first answer of
+its request, bit for bit; no request may pass its bound; a structured answer must match its
+grammar. Every ``--sample`` seconds, per node: resident memory, open descriptors, /dev/shm bytes
+and files, Ray object store use (``node/usage.py``). At the end: each figure's growth rate
+(per hour, after the warm-up) against its budget (``soak/analysis.py``), p50/p99 latency per
+minute; ``soak.json``, ``soak.md``, ``soak.png`` and ``junit.xml`` in ``reports/<run>/``.
+Exit status 1 when any check fails.
+
+The cluster: one already up (``make up``) is used and left as found; otherwise it is brought
+up and down (``TESTBED_CLUSTER`` picks the backend, as for the e2e suites).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+from vllm_zerocopy_testbed.checker import bitexact, timeouts
+from vllm_zerocopy_testbed.cluster import cluster_from_env
+from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, E2ERun
+from vllm_zerocopy_testbed.soak import analysis, report
+from vllm_zerocopy_testbed.soak.analysis import Sample
+from vllm_zerocopy_testbed.workload import catalog
+from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History
+from vllm_zerocopy_testbed.workload.runner import Runner
+from vllm_zerocopy_testbed.workload.stream import Stream
+
+MODES = re.compile(r"broadcast=\S+ detach=\S+(?: inflight=\S+)?")
+
+
+def workload(settings: ClusterSettings) -> list[CompletionSpec]:
+    """The mixed stream's requests: every transport size and dtype, logprobs, structured outputs."""
+    sizes = catalog.EmbedsSizes.for_chunk(int(settings.values.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")))
+    specs = [*catalog.embeds_specs(sizes), *catalog.embeds_batch_specs(), *catalog.logprobs_specs(max_tokens=8),
+             *catalog.prompt_logprobs_specs(), *catalog.structured_specs(8)]
+    # Interleave kinds, so that a client's next request is of another kind (mixed batches).
+    by_kind: dict[str, list[CompletionSpec]] = {}
+    for spec in specs:
+        by_kind.setdefault(spec.key.split("/")[0], []).append(spec)
+    mixed: list[CompletionSpec] = []
+    while any(by_kind.values()):
+        for kind in list(by_kind):
+            if by_kind[kind]:
+                mixed.append(by_kind[kind].pop(0))
+    return mixed
+
+
+class Sampler:
+    """Samples every node of ``cluster`` every ``every_s`` in a thread (bounded calls); a node
+    that cannot be sampled is recorded with the error, and the soak goes on."""
+
+    def __init__(self, cluster: Cluster, started: float, every_s: float) -> None:
+        self.cluster, self.started, self.every_s = cluster, started, every_s
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="soak-sampler")
+
+    def sample_once(self) -> list[Sample]:
+        taken = []
+        for node in self.cluster.nodes():
+            at = time.time() - self.started
+            try:
+                taken.append(Sample(at, node, self.cluster.usage(node)))
+            except Unsupported:
+                raise
+            except Exception as exc:  # a node restarting, docker exec timing out: recorded, not fatal
+                taken.append(Sample(at, node, {}, f"{type(exc).__name__}: {exc}"[:200]))
+        self.samples += taken
+        return taken
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample_once()
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+
+def _say(start: float, text: str) -> None:
+    print(f"[{time.monotonic() - start:7.1f} s] {text}", flush=True)
+
+
+def run(duration_s: float, out: Path, *, clients: int, sample_s: float, warmup_s: float) -> bool:
+    start = time.monotonic()
+    settings = ClusterSettings.from_env()
+    run_settings = E2ERun.from_env(settings)
+    cluster = cluster_from_env(up_timeout=900)
+    owned = not cluster.is_running()
+    if owned:
+        _say(start, f"soak: bringing up a {type(cluster).__name__} (none is up)")
+        cluster.up()
+    else:
+        _say(start, f"soak: using the {type(cluster).__name__} already up (left as found)")
+    try:
+        return _soak(cluster, settings, run_settings.request_timeout_s, duration_s, out, start,
+                     clients=clients, sample_s=sample_s, warmup_s=warmup_s)
+    finally:
+        if owned:
+            _say(start, "soak: bringing the cluster down")
+            cluster.down()
+
+
+def _soak(cluster: Cluster, settings: ClusterSettings, timeout_s: float, duration_s: float, out: Path,
+          start: float, *, clients: int, sample_s: float, warmup_s: float) -> bool:
+    model = settings["TESTBED_SERVED_MODEL"]
+    history = History()
+    runner = Runner(cluster.base_url, model, history, "soak", timeout_s)
+    specs = workload(settings)
+    _say(start, f"soak: {len(specs)} distinct requests, first answers one at a time")
+    firsts = runner.run("soak-first", specs)
+    first_answers = bitexact.first_answers(firsts)
+    modes = sorted({m.group(0) for m in map(MODES.search, _mode_lines(cluster)) if m})
+
+    began = time.time()
+    sampler = Sampler(cluster, began, sample_s)
+    sampler.sample_once()
+    sampler.start()
+    stream = Stream(runner, specs, suite="soak", clients=clients).start()
+    stream.stop(began + duration_s)
+    minute = 0
+    while time.time() < began + duration_s:
+        time.sleep(min(60.0, max(0.0, began + duration_s - time.time())))
+        minute += 1
+        records = list(stream.records)
+        failed = sum(not r.ok for r in records)
+        same, moved = analysis.check_first_answers(records, first_answers)
+        drifted = len(same.problems)
+        not_identical = int(same.figures.get("within_tolerance", 0))
+        latest = {s.node: s for s in sampler.samples}
+        nodes = ", ".join(f"{n} rss {s.figures.get('rss_mb', 0):.0f} MB fds {s.figures.get('fds', 0):.0f}"
+                          + (f" shm {s.figures['shm_mb']:.1f} MB" if "shm_mb" in s.figures else "")
+                          if not s.error else f"{n}: {s.error}" for n, s in latest.items())
+        last = analysis.per_minute(records, began)[-1:] or [analysis.Minute(0)]
+        _say(start, f"soak {minute}/{-(-duration_s // 60):.0f} min: {len(records)} requests, {failed} failed, "
+                    f"{drifted} divergent ({not_identical} within the logprob tolerance, not bit-identical); last minute p50 {last[0].p50_s:.2f} s p99 {last[0].p99_s:.2f} s; {nodes}")
+    joined = stream.join(timeout_s + 30)
+    sampler.stop()
+    sampler.sample_once()
+    records = list(stream.records)
+
+    same, moved = analysis.check_first_answers(records, first_answers)
+    verdicts = analysis.Verdicts([
+        timeouts.check(records),
+        same,
+        analysis.check_structured([*firsts, *records], specs),
+        analysis.check_growth(analysis.growth(sampler.samples, warmup_s)),
+    ])
+    if not joined:
+        verdicts.items[0].fail(f"a client was still waiting {timeout_s + 30:.0f} s after the stream stopped")
+    if not all(r.ok for r in firsts):
+        verdicts.items[0].fail(f"the first answers failed: {timeouts.check(firsts)}")
+    meta = {"duration_s": duration_s, "clients": clients, "sample_s": sample_s, "warmup_s": warmup_s,
+            "cluster": type(cluster).__name__, "modes": modes, "request_bound_s": timeout_s,
+            "distinct_requests": len(specs), "not_bit_identical": moved, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began))}
+    written = report.write(out, meta, records, sampler.samples, began, warmup_s, verdicts)
+    print((out / "soak.md").read_text(), flush=True)
+    _say(start, "written: " + ", ".join(str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)
+                                         for p in written))
+    return verdicts.ok
+
+
+def _mode_lines(cluster: Cluster) -> list[str]:
+    try:
+        return cluster.mode_lines()
+    except Exception:  # an observed cluster without mode lines: the report says none
+        return []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", default="30m", help="how long the stream runs: 90s, 30m, 2h (default 30m)")
+    parser.add_argument("--clients", type=int, default=3, help="concurrent closed-loop clients (default 3)")
+    parser.add_argument("--sample", default="60s", help="how often each node is sampled (default 60s)")
+    parser.add_argument("--warmup", default=None, help="samples before this are not fitted (default: a sixth of "
+                        "the duration (5 min of 30), at least 2 min, at most 10 min)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        duration_s = analysis.parse_duration(args.duration)
+        sample_s = analysis.parse_duration(args.sample)
+        warmup_s = (analysis.parse_duration(args.warmup) if args.warmup is not None
+                    else min(600.0, max(120.0, duration_s / 6)))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.clients < 1:
+        parser.error(f"--clients must be at least 1, got {args.clients}")
+    if warmup_s >= duration_s:
+        parser.error(f"the warm-up ({warmup_s:.0f} s) must end before the soak does ({duration_s:.0f} s)")
+    out = args.out or REPO_ROOT / "reports" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    ok = run(duration_s, out, clients=args.clients, sample_s=sample_s, warmup_s=warmup_s)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""What a soak's samples and records say: growth rates against budgets, per-minute latency,
+answers that drifted from their first, structured answers outside their grammar.
+
+Pure functions over data (``Sample``, ``Record``): the unit tests feed them made-up series.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from vllm_zerocopy_testbed.checker import Verdict, bitexact
+from vllm_zerocopy_testbed.checker.latency import percentile
+from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Record
+
+# Growth allowed per node, per hour, past the warm-up. What each would cost in a day: RSS
+# 1.5 GiB (a node container has 2 GiB of /dev/shm and shares the machine's memory), /dev/shm
+# 24 MiB, 48 files, 240 descriptors, 384 MiB of object store. A leak of one small object per
+# request (~3 requests/s here) passes none of them.
+BUDGETS_PER_HOUR = {"rss_mb": 64.0, "shm_mb": 1.0, "shm_files": 2.0, "fds": 10.0, "object_store_mb": 16.0}
+UNITS = {"rss_mb": "MB", "shm_mb": "MB", "shm_files": "files", "fds": "fds", "object_store_mb": "MB",
+         "processes": "processes", "object_store_objects": "objects"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One node's figures (``node/usage.py``) at ``at`` (seconds since the soak began)."""
+
+    at: float
+    node: str
+    figures: dict[str, float]
+    error: str = ""  # the node could not be sampled (gone, restarting): no figures
+
+    def to_json(self) -> dict:
+        return {"at": round(self.at, 1), "node": self.node, "figures": self.figures, "error": self.error}
+
+
+def theil_sen(points: list[tuple[float, float]]) -> float:
+    """The median of the slopes between every pair of points (robust to a few outliers, where a
+    least-squares fit follows one spike); 0.0 for fewer than two distinct times."""
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+@dataclass
+class Growth:
+    node: str
+    metric: str
+    per_hour: float
+    budget: float
+    first: float
+    last: float
+    samples: int
+
+    @property
+    def ok(self) -> bool:
+        return self.per_hour <= self.budget
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "metric": self.metric, "per_hour": round(self.per_hour, 3),
+                "budget_per_hour": self.budget, "first": round(self.first, 2), "last": round(self.last, 2),
+                "samples": self.samples, "ok": self.ok}
+
+
+def growth(samples: Iterable[Sample], warmup_s: float,
+           budgets: dict[str, float] = BUDGETS_PER_HOUR) -> list[Growth]:
+    """Per node and budgeted metric: the growth rate (per hour) of the samples taken after
+    ``warmup_s`` (caches and compiled kernels fill the first minutes). A metric a node never
+    reported (a backend that cannot see it) is left out."""
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for sample in samples:
+        if sample.error or sample.at < warmup_s:
+            continue
+        for metric in budgets:
+            if metric in sample.figures:
+                series.setdefault((sample.node, metric), []).append((sample.at, sample.figures[metric]))
+    found = []
+    for (node, metric), points in sorted(series.items()):
+        found.append(Growth(node, metric, theil_sen(points) * 3600.0, budgets[metric], points[0][1], points[-1][1],
+                            len(points)))
+    return found
+
+
+def check_growth(rates: list[Growth], min_samples: int = 3) -> Verdict:
+    verdict = Verdict("growth")
+    if not rates or max(r.samples for r in rates) < min_samples:
+        verdict.fail(f"fewer than {min_samples} samples per node past the warm-up: no growth rate to judge "
+                     "(a longer DURATION, or a shorter warm-up)")
+    for rate in rates:
+        if not rate.ok:
+            verdict.fail(f"{rate.node} {rate.metric}: grows {rate.per_hour:.2f} {UNITS[rate.metric]}/hour, budget "
+                         f"{rate.budget:g} ({rate.first:.1f} -> {rate.last:.1f} over {rate.samples} samples)")
+    return verdict
+
+
+@dataclass
+class Minute:
+    minute: int
+    requests: int = 0
+    failed: int = 0
+    p50_s: float = 0.0
+    p99_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"minute": self.minute, "requests": self.requests, "failed": self.failed,
+                "p50_s": round(self.p50_s, 3), "p99_s": round(self.p99_s, 3)}
+
+
+def per_minute(records: Iterable[Record], started: float) -> list[Minute]:
+    """Requests by the minute they ended in (epoch ``started`` = minute 0): count, failures, p50/p99."""
+    buckets: dict[int, list[Record]] = {}
+    for record in records:
+        buckets.setdefault(int((record.started + record.latency_s - started) // 60), []).append(record)
+    minutes = []
+    for minute in range(max(buckets, default=-1) + 1):
+        rows = buckets.get(minute, [])
+        latencies = [r.latency_s for r in rows if r.ok]
+        minutes.append(Minute(minute, len(rows), sum(not r.ok for r in rows), percentile(latencies, 50),
+                              percentile(latencies, 99)))
+    return minutes
+
+
+def check_structured(records: Iterable[Record], specs: Iterable[CompletionSpec]) -> Verdict:
+    """A structured answer that ended by itself (``stop``) must match its regex in full; one cut at
+    ``max_tokens`` (``length``) is not judged here (the first-answer check still is)."""
+    verdict = Verdict("structured")
+    regexes = {s.key: re.compile(s.regex) for s in specs if s.regex}
+    judged = 0
+    for record in records:
+        if not record.ok or record.key not in regexes:
+            continue
+        for choice in record.choices:
+            if choice.get("finish_reason") != "stop":
+                continue
+            judged += 1
+            if not regexes[record.key].fullmatch(choice.get("text", "")):
+                verdict.fail(f"{record.key}: {choice.get('text', '')!r} is outside its grammar "
+                             f"{regexes[record.key].pattern!r}")
+    verdict.figures["judged"] = judged
+    return verdict
+
+
+# Measured (4 min soak, 3 clients): the prompts past the ring chunk (4200 rows) are chunked
+# differently when other requests share the step, and their logprobs move by up to 1.5e-6;
+# tokens never. A transport fault changes far more (tokens, or logprobs well past this).
+LOGPROB_TOLERANCE = 1e-5
+
+
+def check_first_answers(records: Iterable[Record], firsts: dict[str, Record],
+                        tolerance: float = LOGPROB_TOLERANCE) -> tuple[Verdict, list[str]]:
+    """Each answer against the first answer of its request: tokens identical, logprobs within
+    ``tolerance``. Also returns the keys with an answer that is not bit-identical (figures:
+    ``bit_identical``, ``within_tolerance``)."""
+    records = [r for r in records if r.ok]
+    verdict = bitexact.check(records, firsts, tolerance=tolerance,
+                             name=f"same as the first answer (tokens exact, logprobs within {tolerance:g})")
+    moved = sorted({r.key for r in records if r.key in firsts and bitexact.differences(firsts[r.key], r)})
+    identical = sum(r.key in firsts and not bitexact.differences(firsts[r.key], r) for r in records)
+    verdict.figures.update(bit_identical=float(identical), within_tolerance=float(len(records) - identical))
+    return verdict, moved
+
+
+@dataclass
+class Verdicts:
+    """Every check of one soak, in report order."""
+
+    items: list[Verdict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.items)
+
+
+def parse_duration(text: str) -> float:
+    """``30m``, ``45s``, ``2h``, ``1h30m`` -> seconds; a clear error for anything else (a bare
+    number is refused: seconds or minutes is exactly what one gets wrong)."""
+    raw = text.strip().lower()
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", raw)
+    if not raw or parts is None or not any(parts.groups()):
+        raise ValueError(f"DURATION={text!r}: use a number with a unit: 90s, 30m, 2h or 1h30m")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in parts.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ValueError(f"DURATION={text!r} must be longer than zero")
+    return total

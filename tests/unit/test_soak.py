@@ -1,0 +1,128 @@
+"""The soak's judgement over made-up series: growth rates and budgets, minutes, grammar, reports."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.soak import analysis, report
+from vllm_zerocopy_testbed.soak.__main__ import workload
+from vllm_zerocopy_testbed.soak.analysis import Sample
+from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Record
+
+pytestmark = pytest.mark.unit
+
+
+def _series(node: str, metric: str, per_minute: float, minutes: int = 30, spike_at: int | None = None,
+            base: float = 1000.0) -> list[Sample]:
+    samples = []
+    for m in range(minutes + 1):
+        value = base + per_minute * m + (500.0 if m == spike_at else 0.0)
+        samples.append(Sample(m * 60.0, node, {metric: value}))
+    return samples
+
+
+def test_a_steady_leak_is_its_slope_per_hour_and_fails_its_budget() -> None:
+    rates = analysis.growth(_series("worker", "rss_mb", per_minute=2.0), warmup_s=120)
+    (rate,) = rates
+    assert rate.per_hour == pytest.approx(120.0) and rate.samples == 29, "samples before the warm-up are left out"
+    verdict = analysis.check_growth(rates)
+    assert not verdict.ok and "worker rss_mb: grows 120.00 MB/hour, budget 64" in str(verdict)
+
+
+def test_one_spike_does_not_make_a_leak_and_a_flat_series_passes() -> None:
+    rates = analysis.growth(_series("head", "rss_mb", per_minute=0.0, spike_at=20)
+                            + _series("head", "fds", per_minute=0.0), warmup_s=120)
+    assert [r.per_hour for r in rates] == [0.0, 0.0]
+    assert analysis.check_growth(rates).ok
+
+
+def test_a_failed_sample_and_an_unseen_figure_are_left_out() -> None:
+    samples = _series("worker", "shm_files", per_minute=0.0) + [Sample(900.0, "worker", {}, "LookupError: gone")]
+    (rate,) = analysis.growth(samples, warmup_s=0)
+    assert rate.metric == "shm_files" and rate.samples == 31
+    assert not analysis.check_growth(analysis.growth(samples[:2], warmup_s=0)).ok, "too few samples to judge"
+
+
+def test_the_theil_sen_slope_ignores_an_outlier_that_least_squares_follows() -> None:
+    points = [(float(x), float(x)) for x in range(10)] + [(10.0, 100.0)]
+    assert analysis.theil_sen(points) == pytest.approx(1.0)
+    assert analysis.theil_sen([(1.0, 5.0)]) == 0.0
+
+
+def _record(key: str, started: float, latency: float, ok: bool = True, text: str = "",
+            finish: str = "stop") -> Record:
+    return Record(key=key, suite="soak", profile="p", bound_s=120, started=started, latency_s=latency,
+                  status="ok" if ok else "error", choices=[{"text": text, "finish_reason": finish}])
+
+
+def test_minutes_count_requests_by_when_they_ended() -> None:
+    records = [_record("a", 10, 1.0), _record("a", 50, 20.0), _record("b", 130, 1.0, ok=False)]
+    minutes = analysis.per_minute(records, started=0.0)
+    assert [(m.minute, m.requests, m.failed) for m in minutes] == [(0, 1, 0), (1, 1, 0), (2, 1, 1)]
+    assert minutes[1].p50_s == 20.0 and minutes[2].p50_s == 0.0, "a failed request has no latency"
+
+
+def test_a_structured_answer_outside_its_grammar_fails_and_a_cut_one_is_not_judged() -> None:
+    specs = [CompletionSpec("structured/0", prompt_ids=(1,), regex="[0-9]{3}")]
+    verdict = analysis.check_structured([_record("structured/0", 0, 1, text="123"),
+                                         _record("structured/0", 0, 1, text="12", finish="length"),
+                                         _record("structured/0", 0, 1, text="12a")], specs)
+    assert not verdict.ok and verdict.figures["judged"] == 2 and "'12a' is outside its grammar" in str(verdict)
+
+
+@pytest.mark.parametrize("text, seconds", [("30m", 1800), ("90s", 90), ("2h", 7200), ("1h30m", 5400), (" 1.5m", 90)])
+def test_durations_need_a_unit(text: str, seconds: float) -> None:
+    assert analysis.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["30", "", "m", "30 minutes", "0m", "-5m"])
+def test_a_bad_duration_says_how_to_write_one(text: str) -> None:
+    with pytest.raises(ValueError, match="DURATION="):
+        analysis.parse_duration(text)
+
+
+def test_the_workload_mixes_every_kind_and_transport_size() -> None:
+    specs = workload(ClusterSettings.from_env({}))
+    kinds = [s.key.split("/")[0] for s in specs]
+    assert {"ids", "embeds", "logprobs", "prompt-logprobs", "structured"} <= set(kinds)
+    assert kinds[:5] == sorted(set(kinds[:5]), key=kinds[:5].index) and len(set(kinds[:5])) == 5, "kinds interleaved"
+    sizes = {s.key.rsplit("/", 1)[-1] for s in specs if s.key.startswith("embeds/")}
+    assert {"small", "oob", "overflow", "batch"} <= sizes
+    assert len({s.key for s in specs}) == len(specs)
+
+
+def test_the_report_files_say_what_failed(tmp_path) -> None:
+    samples = _series("worker", "shm_mb", per_minute=1.0) + _series("worker", "rss_mb", per_minute=0.0)
+    records = [_record("a", 10, 1.0), _record("a", 70, 1.0, ok=False)]
+    verdicts = analysis.Verdicts([analysis.check_growth(analysis.growth(samples, 120))])
+    meta = {"duration_s": 1800, "clients": 3, "sample_s": 60, "warmup_s": 120, "cluster": "ComposeCluster",
+            "modes": ["broadcast=testbed detach=testbed"], "distinct_requests": 1, "started": "now"}
+    paths = report.write(tmp_path, meta, records, samples, 0.0, 120, verdicts)
+    assert sorted(p.name for p in paths) == ["junit.xml", "soak.json", "soak.md", "soak.png"]
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert data["ok"] is False and data["requests"] == {"total": 2, "failed": 1}
+    md = (tmp_path / "soak.md").read_text()
+    assert "**FAIL**" in md and "| worker | shm_mb |" in md and "+60.00 MB" in md
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
+    assert failed == ["growth", "growth worker shm_mb"] and suite.get("failures") == "2"
+    assert (tmp_path / "soak.png").stat().st_size > 10_000
+
+
+def _answer(key: str, tokens: list[int], logprobs: list[float]) -> Record:
+    return Record(key=key, suite="soak", profile="p", bound_s=120, started=0.0, latency_s=1.0,
+                  choices=[{"text": "", "tokens": tokens, "token_logprobs": logprobs, "top_logprobs": []}])
+
+
+def test_answers_keep_their_tokens_and_their_logprobs_within_the_tolerance() -> None:
+    firsts = {"a": _answer("a", [1, 2], [-1.0, -2.0])}
+    same, moved = analysis.check_first_answers([_answer("a", [1, 2], [-1.0, -2.0]),
+                                                _answer("a", [1, 2], [-1.0, -2.0 + 1.5e-6])], firsts)
+    assert same.ok and moved == ["a"] and same.figures["bit_identical"] == 1 and same.figures["within_tolerance"] == 1
+    for wrong in (_answer("a", [1, 3], [-1.0, -2.0]), _answer("a", [1, 2], [-1.0, -2.001])):
+        verdict, _ = analysis.check_first_answers([wrong], firsts)
+        assert not verdict.ok, f"{wrong.choices} differs from the first answer"
