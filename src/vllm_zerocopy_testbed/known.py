@@ -83,6 +83,11 @@ COMPONENT: dict[str, Known] = {
                             "the raylet",
                      "upstream": "issue 5: vLLM keeps PP executions in flight; the driver node's raylet deadlocks"},
         r"DEADLOCK: .*RayChannelTimeoutError"),
+    "ring_reserved": _known(
+        BROADCAST_ENV, {"upstream": "vLLM creates its MessageQueue ring sparse (tmpfs places a page at its first "
+                                    "write: SIGBUS once /dev/shm is full)",
+                        "off": "vLLM creates its MessageQueue ring sparse"},
+        r"the ring is sparse"),
     "detach_sampling_mask": _known(
         DETACH_ENV, {"off": "before PR 35736 channel-backed arrays are kept",
                      "upstream": "upstream's detach copies logprobs and aux rows only, not sampling_masks"},
@@ -124,6 +129,10 @@ E2E: dict[str, KnownOnProfiles] = {
         "(patches/inflight.py, inflight=testbed: e2e profiles set it to their detach mode)",
         Signature(r"RayChannelTimeoutError|WriteAcquire"), executors=frozenset({"cgraph"}),
         detach=frozenset({"off", "upstream"})),
+    "ring_reserved": KnownOnProfiles(
+        "vLLM creates its MessageQueue ring sparse and checks /dev/shm's free space only then: filled later, "
+        "the engine's next write to a new ring page is SIGBUS; the testbed reserves the pages at creation",
+        Signature(r"Fatal Python error: Bus error"), broadcast=frozenset({"upstream", "off"})),
 }
 
 

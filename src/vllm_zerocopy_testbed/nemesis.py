@@ -38,6 +38,10 @@ class Nemesis:
     # What streams beside it: "mixed" (logprobs and a 1 MiB prompt_embeds request) or "large"
     # (batches of prompt_embeds whose one scheduler step is >= 16 MiB: past the socket buffers).
     workload: str = "mixed"
+    # Its nodes stay up and it ends within the bound: no request may fail (a gray failure or
+    # a full /dev/shm must cost time at most, not answers).
+    harmless: bool = False
+    known: str | None = None  # where it is a known failure: the property (``known.E2E``)
 
     def __str__(self) -> str:
         return self.name
@@ -85,12 +89,13 @@ NEMESES = (
     Nemesis("stop-ray-worker-actor", f"one Ray worker actor of the worker node (one TP rank of PP stage 1) SIGSTOPped "
             f"for {HOLD_S:.0f} s, its node healthy: a gray failure, one slow rank", "worker",
             _signal(RAY_WORKER_ACTOR, signal.SIGSTOP, count=1), _continue(RAY_WORKER_ACTOR),
-            needs=("signal_process",)),
+            needs=("signal_process",), harmless=True),
     Nemesis("fill-worker-shm", f"the worker node's /dev/shm filled to its last byte for {HOLD_S:.0f} s", "worker",
-            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm")),
+            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm"), harmless=True),
     Nemesis("fill-head-shm", f"the head's /dev/shm filled to its last byte for {HOLD_S:.0f} s: the engine's "
-            "MessageQueue ring there is sparse (pages allocated at first write)", "head",
-            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm")),
+            "MessageQueue rings live there", "head",
+            lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm"), harmless=True,
+            known="ring_reserved"),
     Nemesis("kill-head-gcs", "SIGKILL of the head's Ray GCS (gcs_server): every Ray process loses its control plane",
             "head", _signal("gcs_server", signal.SIGKILL), needs=("signal_process",)),
 )

@@ -77,3 +77,30 @@ def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, broadcast_mode) 
     with MessageQueueHarness(topology, broadcast_mode, timeout=2) as harness:
         report = harness.collect(within=30)[1]
     assert report.get(READ_ERROR, "").startswith("TimeoutError"), f"the reader reported {report}"
+
+
+def test_a_new_ring_owns_its_pages(broadcast_mode, expect) -> None:
+    """tmpfs allocates a page at its first write, and a write that a full /dev/shm cannot place
+    is SIGBUS (measured: fill-head-shm killed the engine so). A new ring must own every page
+    when it is created: the testbed's does (``reserve_ring``); vLLM's is sparse."""
+    import os
+
+    from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+
+    from vllm_zerocopy_testbed.config import PatchMode
+    from vllm_zerocopy_testbed.patches import broadcast
+
+    expect("ring_reserved", broadcast_mode)
+    broadcast.apply(broadcast_mode)
+    try:
+        ring = ShmRingBuffer(n_reader=1, max_chunk_bytes=4 * MiB, max_chunks=MAX_CHUNKS)
+        try:
+            stat = os.stat(os.path.join(broadcast.SHM_DIR, ring.shared_memory.name.lstrip("/")))
+            allocated = stat.st_blocks * 512
+            assert allocated >= ring.total_bytes_of_buffer, (
+                f"the ring is sparse: {allocated} of its {ring.total_bytes_of_buffer} bytes allocated")
+        finally:
+            ring.shared_memory.close()
+            ring.shared_memory.unlink()
+    finally:
+        broadcast.apply(PatchMode.UPSTREAM)

@@ -240,9 +240,23 @@ class ComposeCluster(Cluster):
                   f"&& stat -c %s {SHM_FILL}")
         return int(self._run(["docker", "exec", container, "sh", "-c", script], timeout=60).stdout.split()[-1])
 
-    def free_shm(self, node: str) -> None:
-        if self.state(node) in ("running", "paused", "isolated"):
-            self._run(["docker", "exec", self._container(node), "rm", "-f", SHM_FILL], timeout=30, check=False)
+    def free_shm(self, node: str, wait_s: float = 60.0) -> None:
+        """Remove ``fill_shm``'s file. A container's /dev/shm outlives its restarts (measured: the
+        head restarted after SIGBUS still found it full), so a node that is restarting is waited
+        for (bounded) and one that stays down is cleared from the host side (the tmpfs Docker
+        mounts under its root, ``containers/<id>/mounts/shm``) before anything starts it again."""
+        deadline = time.monotonic() + wait_s
+        while self.state(node) in ("restarting", "created") and time.monotonic() < deadline:
+            time.sleep(1)
+        if self.state(node) == "missing":
+            return
+        container = self._container(node)
+        if self.state(node) in ("running", "isolated"):
+            self._run(["docker", "exec", container, "rm", "-f", SHM_FILL], timeout=30, check=False)
+            return
+        root = self._run(["docker", "info", "-f", "{{.DockerRootDir}}"], timeout=30).stdout.strip()
+        full_id = self._run(["docker", "inspect", "-f", "{{.Id}}", container], timeout=30).stdout.strip()
+        (Path(root) / "containers" / full_id / "mounts" / "shm" / Path(SHM_FILL).name).unlink(missing_ok=True)
 
     def _in_netns(self, service: str, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a host command (``tc``) inside ``service``'s network namespace: only our own

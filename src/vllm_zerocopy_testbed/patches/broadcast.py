@@ -301,15 +301,70 @@ def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Calla
 
 
 _installed_enqueue: Callable[..., None] | None = None
+_installed_ring_init: Callable[..., None] | None = None
+SHM_DIR = "/dev/shm"
+
+
+class RingSpaceError(RuntimeError):
+    """/dev/shm cannot hold a MessageQueue ring's pages: raised when the ring is created."""
+
+
+def reserve_ring(shared_memory: Any) -> None:
+    """Allocate every page of a new ring's shared memory now (``posix_fallocate``).
+
+    ``SharedMemory(create=True)`` only sizes the file: tmpfs allocates a page at its first
+    write, and a write to a page that a full /dev/shm cannot allocate is SIGBUS. Measured
+    (``make faults``, fill-head-shm): the head's /dev/shm filled after start-up, the engine
+    died with "Fatal Python error: Bus error" writing its ring; vLLM checks the free space
+    when it creates the ring (``check_shm_free_space``), which a later fill does not see.
+    Reserved, a full /dev/shm fails the start with this error, never a running engine.
+    """
+    import errno
+    import os
+
+    path = os.path.join(SHM_DIR, shared_memory.name.lstrip("/"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, shared_memory.size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        free = os.statvfs(SHM_DIR)
+        raise RingSpaceError(
+            f"{SHM_DIR} cannot hold a MessageQueue ring of {shared_memory.size / 2**20:.0f} MiB "
+            f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): its pages are reserved when it is created, "
+            "so that a /dev/shm filled later cannot SIGBUS the engine. Increase /dev/shm (--shm-size)") from exc
+    finally:
+        os.close(fd)
+
+
+def _ring_init(installed: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        installed(self, *args, **kwargs)
+        if getattr(self, "is_creator", False):
+            try:
+                reserve_ring(self.shared_memory)
+            except BaseException:
+                self.shared_memory.close()
+                self.shared_memory.unlink()
+                raise
+
+    __init__.testbed_mode = PatchMode.TESTBED  # type: ignore[attr-defined]
+    return __init__
 
 
 def apply(mode: PatchMode) -> None:
-    """Make ``MessageQueue.enqueue`` behave as ``mode`` in this process."""
-    global _installed_enqueue
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    """Make ``MessageQueue.enqueue`` behave as ``mode`` in this process; under ``testbed``, new
+    rings also reserve their pages (``reserve_ring``)."""
+    global _installed_enqueue, _installed_ring_init
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, ShmRingBuffer
 
     if _installed_enqueue is None:
         _installed_enqueue = MessageQueue.enqueue
+    if _installed_ring_init is None:
+        _installed_ring_init = ShmRingBuffer.__init__
+    ShmRingBuffer.__init__ = (_ring_init(_installed_ring_init) if mode is PatchMode.TESTBED  # type: ignore[method-assign]
+                              else _installed_ring_init)
     if mode is PatchMode.UPSTREAM:
         MessageQueue.enqueue = _installed_enqueue  # type: ignore[method-assign]
         return
