@@ -126,3 +126,13 @@ def test_answers_keep_their_tokens_and_their_logprobs_within_the_tolerance() -> 
     for wrong in (_answer("a", [1, 3], [-1.0, -2.0]), _answer("a", [1, 2], [-1.0, -2.001])):
         verdict, _ = analysis.check_first_answers([wrong], firsts)
         assert not verdict.ok, f"{wrong.choices} differs from the first answer"
+
+
+def test_the_process_whose_memory_grows_is_named() -> None:
+    samples = []
+    for m in range(31):
+        samples.append(Sample(m * 60.0, "worker", {"rss_mb": 3000.0 + m, "rss_mb/ray::RayWorkerProc.run[178]": 2000.0 + m,
+                                                   "rss_mb/raylet[35]": 34.0}))
+    rates = analysis.process_growth(samples, warmup_s=120)
+    assert [(r.metric, round(r.per_hour)) for r in rates] == [("ray::RayWorkerProc.run[178]", 60), ("raylet[35]", 0)]
+    assert "| worker | ray::RayWorkerProc.run[178] | 2002 MB | 2030 MB | +60.0 MB |" in report.process_table(rates)

@@ -22,6 +22,9 @@ def test_processes_add_up_memory_and_descriptors_of_the_pids_given() -> None:
         assert both["processes"] == 2 and both["fds"] > alone["fds"]
         assert both["rss_mb"] - alone["rss_mb"] >= 64, "the child's 64 MiB are resident"
         assert usage.processes([2 ** 22 + 7])["rss_mb"] == 0, "a PID that is gone counts nothing"
+        largest = usage.by_process([os.getpid(), child.pid], top=2)
+        (key,) = [k for k in largest if k.endswith(f"[{child.pid}]")]
+        assert key.startswith("rss_mb/python") and largest[key] >= 64, largest
     finally:
         child.kill()
         child.wait(10)

@@ -185,7 +185,7 @@ class LocalVllmCluster(Cluster):
         pids = set(self.ray.node_pids(index))
         for sid in self._head_sessions() if index == 0 else []:
             pids.update(session_pids(sid))
-        figures = node_usage.processes(sorted(pids))
+        figures = {**node_usage.processes(sorted(pids)), **node_usage.by_process(pids)}
         if index == 0:
             figures.update(node_usage.shm())
         figures.update(node_usage.object_store(self.ray.address, self.ray.nodes[index].ip))

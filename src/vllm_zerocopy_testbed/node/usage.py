@@ -49,6 +49,26 @@ def processes(pids: Iterable[int]) -> dict[str, float]:
             "processes": float(len(pids))}
 
 
+def _name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace")
+    # Ray renames its workers (ray::RayWorkerProc.run); else the program and its module, if any
+    if first.startswith(("ray::", "VLLM::")) or len(argv) < 3:
+        return first.rsplit("/", 1)[-1][:48]
+    module = argv[2].decode(errors="replace") if argv[1] == b"-m" else argv[1].decode(errors="replace")
+    return f"{first.rsplit('/', 1)[-1]} {module.rsplit('/', 1)[-1]}"[:48]
+
+
+def by_process(pids: Iterable[int], top: int = 8, min_mb: float = 50.0) -> dict[str, float]:
+    """The ``top`` largest processes' resident memory, as ``rss_mb/<name>[<pid>]`` keys: which
+    process a growth of the node's sum is in (a slow leak names itself)."""
+    sizes = sorted(((_rss_bytes(p) / MiB, p) for p in pids), reverse=True)[:top]
+    return {f"rss_mb/{_name(pid)}[{pid}]": mb for mb, pid in sizes if mb >= min_mb}
+
+
 def shm(path: str | Path = "/dev/shm") -> dict[str, float]:
     """Bytes allocated in ``path`` (blocks, not apparent sizes: a sparse ring counts what it
     touched) and the number of files there."""
@@ -86,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gcs", default=None, help="the Ray GCS address (HEAD:6379); omit for no object store figure")
     parser.add_argument("--node-ip", default=None, help="this node's Ray address")
     args = parser.parse_args(argv)
-    figures = {**processes(all_pids(exclude=(os.getpid(),))), **shm()}
+    pids = all_pids(exclude=(os.getpid(),))
+    figures = {**processes(pids), **by_process(pids), **shm()}
     if args.gcs and args.node_ip:
         figures.update(object_store(args.gcs, args.node_ip))
     print(json.dumps(figures))

@@ -83,6 +83,24 @@ def growth(samples: Iterable[Sample], warmup_s: float,
     return found
 
 
+PROCESS_PREFIX = "rss_mb/"
+
+
+def process_growth(samples: Iterable[Sample], warmup_s: float, min_samples: int = 3) -> list[Growth]:
+    """Per node and process (``rss_mb/<name>[<pid>]``, the sampler's largest ones): the RSS growth
+    rate past the warm-up, largest first. No budget: it says where a node's growth is."""
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for sample in samples:
+        if sample.error or sample.at < warmup_s:
+            continue
+        for key, value in sample.figures.items():
+            if key.startswith(PROCESS_PREFIX):
+                series.setdefault((sample.node, key.removeprefix(PROCESS_PREFIX)), []).append((sample.at, value))
+    rates = [Growth(node, name, theil_sen(points) * 3600.0, float("inf"), points[0][1], points[-1][1], len(points))
+             for (node, name), points in series.items() if len(points) >= min_samples]
+    return sorted(rates, key=lambda r: -r.per_hour)
+
+
 def check_growth(rates: list[Growth], min_samples: int = 3) -> Verdict:
     verdict = Verdict("growth")
     if not rates or max(r.samples for r in rates) < min_samples:

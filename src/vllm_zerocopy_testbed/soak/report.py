@@ -25,6 +25,13 @@ def growth_table(rates: list[Growth]) -> str:
     return "\n".join(lines)
 
 
+def process_table(rates: list[Growth], top: int = 8) -> str:
+    lines = ["| node | process | first | last | RSS growth per hour |", "|---|---|---|---|---|"]
+    lines += [f"| {r.node} | {r.metric} | {r.first:.0f} MB | {r.last:.0f} MB | {r.per_hour:+.1f} MB |"
+              for r in rates[:top]]
+    return "\n".join(lines)
+
+
 def minutes_table(minutes: list[Minute]) -> str:
     lines = ["| minute | requests | failed | p50 | p99 |", "|---|---|---|---|---|"]
     lines += [f"| {m.minute} | {m.requests} | {m.failed} | {m.p50_s:.2f} s | {m.p99_s:.2f} s |" for m in minutes]
@@ -32,7 +39,7 @@ def minutes_table(minutes: list[Minute]) -> str:
 
 
 def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], minutes: list[Minute],
-             verdicts: Verdicts, sample_errors: list[str]) -> str:
+             verdicts: Verdicts, sample_errors: list[str], processes: list[Growth] = ()) -> str:
     failed = sum(not r.ok for r in records)
     head = [f"# Soak ({meta['duration_s'] / 60:.0f} min, {meta['clients']} clients, {meta['cluster']})", "",
             f"Started {meta['started']}; modes: {', '.join(meta['modes']) or 'not logged'}; "
@@ -45,7 +52,9 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
         checks.append(f"- answers that were not bit-identical to their first (within the tolerance): "
                       f"{', '.join(meta['not_bit_identical'])}")
     errors = ["", "Samples that failed:", *(f"- {e}" for e in sample_errors[:10])] if sample_errors else []
-    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table(rates), "",
+    where = (["", "Where RSS grows (the largest processes per node, no budget):", "", process_table(list(processes))]
+             if processes else [])
+    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table(rates), *where, "",
                       "## Latency per minute", "", minutes_table(minutes), ""])
 
 
@@ -103,17 +112,20 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
     """Write the four files into ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     rates = analysis.growth(samples, warmup_s)
+    processes = analysis.process_growth(samples, warmup_s)
     minutes = analysis.per_minute(records, began)
     errors = [f"{s.at:.0f} s {s.node}: {s.error}" for s in samples if s.error]
     data = {"meta": meta, "ok": verdicts.ok,
             "verdicts": [{"checker": v.checker, "ok": v.ok, "problems": v.problems, "figures": v.figures}
                          for v in verdicts.items],
-            "growth": [r.to_json() for r in rates], "minutes": [m.to_json() for m in minutes],
+            "growth": [r.to_json() for r in rates],
+            "process_growth": [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in processes],
+            "minutes": [m.to_json() for m in minutes],
             "samples": [s.to_json() for s in samples],
             "requests": {"total": len(records), "failed": sum(not r.ok for r in records)}}
     paths = [out / "soak.json", out / "soak.md", out / "junit.xml"]
     paths[0].write_text(json.dumps(data, indent=1))
-    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors))
+    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes))
     junit(verdicts, rates, meta["duration_s"]).write(paths[2], encoding="unicode", xml_declaration=False)
     paths.append(plot(out / "soak.png", samples, minutes))
     return paths
