@@ -76,7 +76,7 @@ faults: MODES = testbed
 faults: export TESTBED_MAX_MODEL_LEN ?= 8192
 faults: export TESTBED_SERVE_ARGS ?= --max-num-batched-tokens 40960
 faults: export TESTBED_MQ_TIMELINE ?= 1
-faults: $(E2E_DEPS) ## tests/faults: bad input and 11 nemeses (kill/pause/disconnect/restart a node, stop one rank, fill /dev/shm, kill the GCS, mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
+faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/disconnect/restart a node, stop one rank, fill /dev/shm, kill the GCS, mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
 	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
 
 DURATION ?= 30m
