@@ -55,18 +55,13 @@ class Nemesis:
         return None
 
 
-def _signal(pattern: str, signum: int, count: int | None = None) -> Callable[[Cluster, str], None]:
+def _signal(pattern: str, signum: int, count: int | None = None, *,
+            required: bool = True) -> Callable[[Cluster, str], None]:
+    """A step sending ``signum`` to ``node``'s processes matching ``pattern``; ``required``: it
+    fails when none matches (a heal's SIGCONT is not: harmless to a running one, none once gone)."""
     def step(cluster: Cluster, node: str) -> None:
-        if not cluster.signal_process(node, pattern, signum, count):
+        if not cluster.signal_process(node, pattern, signum, count) and required:
             raise RuntimeError(f"no process matching {pattern!r} found on {node}")
-
-    return step
-
-
-def _continue(pattern: str) -> Callable[[Cluster, str], None]:
-    """SIGCONT to every match (harmless to a running one); a no-op once they are gone."""
-    def step(cluster: Cluster, node: str) -> None:
-        cluster.signal_process(node, pattern, signal.SIGCONT)
 
     return step
 
@@ -88,7 +83,7 @@ NEMESES = (
             lambda c, n: c.pause(n), lambda c, n: c.resume(n), needs=("pause", "resume"), workload="large"),
     Nemesis("stop-ray-worker-actor", f"one Ray worker actor of the worker node (one TP rank of PP stage 1) SIGSTOPped "
             f"for {HOLD_S:.0f} s, its node healthy: a gray failure, one slow rank", "worker",
-            _signal(RAY_WORKER_ACTOR, signal.SIGSTOP, count=1), _continue(RAY_WORKER_ACTOR),
+            _signal(RAY_WORKER_ACTOR, signal.SIGSTOP, count=1), _signal(RAY_WORKER_ACTOR, signal.SIGCONT, required=False),
             needs=("signal_process",), harmless=True),
     Nemesis("fill-worker-shm", f"the worker node's /dev/shm filled to its last byte for {HOLD_S:.0f} s", "worker",
             lambda c, n: c.fill_shm(n), lambda c, n: c.free_shm(n), needs=("fill_shm", "free_shm"), harmless=True),

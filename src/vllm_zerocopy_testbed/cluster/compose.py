@@ -246,12 +246,14 @@ class ComposeCluster(Cluster):
         for (bounded) and one that stays down is cleared from the host side (the tmpfs Docker
         mounts under its root, ``containers/<id>/mounts/shm``) before anything starts it again."""
         deadline = time.monotonic() + wait_s
-        while self.state(node) in ("restarting", "created") and time.monotonic() < deadline:
+        state = self.state(node)
+        while state in ("restarting", "created") and time.monotonic() < deadline:
             time.sleep(1)
-        if self.state(node) == "missing":
+            state = self.state(node)
+        if state == "missing":
             return
         container = self._container(node)
-        if self.state(node) in ("running", "isolated"):
+        if state in ("running", "isolated"):
             self._run(["docker", "exec", container, "rm", "-f", SHM_FILL], timeout=30, check=False)
             return
         root = self._run(["docker", "info", "-f", "{{.DockerRootDir}}"], timeout=30).stdout.strip()

@@ -136,15 +136,18 @@ def _soak(cluster: Cluster, settings: ClusterSettings, timeout_s: float, duratio
         _say(start, f"soak: nodes not sampled ({unsampled}): no growth rates")
     stream = Stream(runner, specs, suite="soak", clients=clients).start()
     stream.stop(began + duration_s)
-    minute = 0
+    minute, judged, drifted, not_identical = 0, 0, 0, 0
     while time.time() < began + duration_s:
         time.sleep(min(60.0, max(0.0, began + duration_s - time.time())))
         minute += 1
         records = list(stream.records)
         failed = sum(not r.ok for r in records)
-        same, moved = analysis.check_first_answers(records, first_answers)
-        drifted = len(same.problems)
-        not_identical = int(same.figures.get("within_tolerance", 0))
+        answered = [r for r in records[judged:] if r.ok]  # each judged once; the final verdict judges all
+        if answered:
+            same, _ = analysis.check_first_answers(answered, first_answers)
+            drifted += len(same.problems)
+            not_identical += int(same.figures.get("within_tolerance", 0))
+        judged = len(records)
         latest = {s.node: s for s in sampler.samples}
         nodes = ", ".join(f"{n} rss {s.figures.get('rss_mb', 0):.0f} MB fds {s.figures.get('fds', 0):.0f}"
                           + (f" shm {s.figures['shm_mb']:.1f} MB" if "shm_mb" in s.figures else "")
