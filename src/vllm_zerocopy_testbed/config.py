@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 # A stall injected on the broadcast, to show the latency checker red (patches/slowdown.py):
 # empty (none) | stall:S (the engine's first broadcast of a tensor >= 1 MiB held S seconds).
 FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
+# Seconds between each vLLM process's heap figures (patches/heap.py, read by node/usage.py); 0: none.
+HEAP_PROBE_ENV = "TESTBED_HEAP_PROBE_S"
+# More environment for every process of a node (compose backend): NAME=VALUE words, e.g.
+# MALLOC_ARENA_MAX=2 (node scripts export them before Ray starts; see node_env()).
+NODE_ENV = "TESTBED_NODE_ENV"
 # Bytes: cap every node container's TCP buffers (compose/compose.tcp-buffers.yaml); unset: the kernel's.
 TCP_BUFFERS_ENV = "TESTBED_TCP_BUFFERS"
 
@@ -125,6 +131,7 @@ class TestbedConfig:
     ray_driver_ip: str | None = None
     mq_timeline: bool = False
     broadcast_fault: BroadcastFault | None = None
+    heap_probe_s: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -146,7 +153,15 @@ class TestbedConfig:
         key = env.get(RAY_DEVICE_KEY_ENV, "HPU").strip()
         if key not in ("HPU", "GPU"):
             raise ConfigError(f"{RAY_DEVICE_KEY_ENV}={key!r} is invalid; use HPU or GPU")
+        probe_raw = env.get(HEAP_PROBE_ENV, "30").strip()
+        try:
+            heap_probe_s = float(probe_raw)
+        except ValueError:
+            heap_probe_s = -1.0
+        if not heap_probe_s >= 0:  # also NaN
+            raise ConfigError(f"{HEAP_PROBE_ENV}={probe_raw!r} is invalid; use seconds >= 0 (0: no heap figures)")
         return cls(
+            heap_probe_s=heap_probe_s,
             broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),
             detach=PatchMode.parse(env.get(DETACH_ENV, "testbed"), variable=DETACH_ENV),
             inflight=PatchMode.parse(env.get(INFLIGHT_ENV, "testbed"), variable=INFLIGHT_ENV),
@@ -203,7 +218,21 @@ class ClusterSettings:
         # Fail at start, not in a container, on a bad mode or executor.
         TestbedConfig.from_env(merged)
         settings.executor
+        settings.node_env
         return settings
+
+    @property
+    def node_env(self) -> dict[str, str]:
+        """``TESTBED_NODE_ENV`` as a mapping: ``NAME=VALUE`` words. An empty value is refused: glibc
+        reads ``MALLOC_MMAP_THRESHOLD_=`` as 0 (every allocation a mapping of its own)."""
+        found: dict[str, str] = {}
+        for word in self.values.get(NODE_ENV, "").split():
+            name, equals, value = word.partition("=")
+            if not equals or not value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ConfigError(f"{NODE_ENV}: {word!r} is not NAME=VALUE (space-separated words, each with a "
+                                  "value, e.g. MALLOC_ARENA_MAX=2)")
+            found[name] = value
+        return found
 
     @property
     def executor(self) -> Executor:

@@ -98,7 +98,7 @@ def reference() -> Iterator[Reference]:
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
 
 
-RUN_SETTINGS = ("TESTBED_SERVE_ARGS", "TESTBED_MQ_TIMELINE", "TESTBED_MAX_MODEL_LEN")
+RUN_SETTINGS = ("TESTBED_SERVE_ARGS", "TESTBED_MQ_TIMELINE", "TESTBED_MAX_MODEL_LEN", "TESTBED_NODE_ENV")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, Executor, e2e_profiles
+from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, Executor, TestbedConfig, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
@@ -94,3 +94,19 @@ def test_the_batch_budget_is_read_from_the_serve_args(args: str, tokens: int | N
 def test_a_bad_batch_budget_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="--max-num-batched-tokens needs a number"):
         ClusterSettings.from_env({"TESTBED_SERVE_ARGS": "--max-num-batched-tokens lots"}).max_num_batched_tokens
+
+
+def test_node_environment_is_name_value_words_and_an_empty_value_is_refused() -> None:
+    settings = ClusterSettings.from_env({"TESTBED_NODE_ENV": " MALLOC_ARENA_MAX=2  MALLOC_MMAP_THRESHOLD_=131072 "})
+    assert settings.node_env == {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    assert ClusterSettings.from_env({}).node_env == {}
+    for bad in ("MALLOC_MMAP_THRESHOLD_=", "MALLOC_ARENA_MAX", "2X=1", "A-B=1"):
+        with pytest.raises(ConfigError, match="TESTBED_NODE_ENV: .* is not NAME=VALUE"):
+            ClusterSettings.from_env({"TESTBED_NODE_ENV": bad})
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan"])
+def test_a_bad_heap_probe_period_is_a_clear_error(raw: str) -> None:
+    with pytest.raises(ConfigError, match="TESTBED_HEAP_PROBE_S=.* seconds >= 0"):
+        TestbedConfig.from_env({"TESTBED_HEAP_PROBE_S": raw})
+    assert TestbedConfig.from_env({"TESTBED_HEAP_PROBE_S": "0"}).heap_probe_s == 0

@@ -136,3 +136,40 @@ def test_the_process_whose_memory_grows_is_named() -> None:
     rates = analysis.process_growth(samples, warmup_s=120)
     assert [(r.metric, round(r.per_hour)) for r in rates] == [("ray::RayWorkerProc.run[178]", 60), ("raylet[35]", 0)]
     assert "| worker | ray::RayWorkerProc.run[178] | 2002 MB | 2030 MB | +60.0 MB |" in report.process_table(rates)
+
+
+def _heap_series(rss: float, in_use: float, kept: float) -> list[Sample]:
+    """30 minutes of one node growing by the given MB per minute."""
+    return [Sample(m * 60.0, "worker", {"rss_mb": 3000 + rss * m, "heap_in_use_mb": 500 + in_use * m,
+                                        "heap_free_mb": 50 + kept * m, "rss_mb/ray::RayWorkerProc.run[9]": 2000 + rss * m,
+                                        "heap_free_mb/ray::RayWorkerProc.run[9]": 40 + kept * m})
+            for m in range(31)]
+
+
+@pytest.mark.parametrize(("in_use", "kept", "cause"), [
+    (0.0, 4.5, "freed memory kept by glibc's heap, not a leak"),
+    (4.0, 0.5, "memory in use grows: a leak"),
+    (0.0, 0.5, "outside the C heap"),
+])
+def test_rss_growth_is_split_into_memory_in_use_and_memory_glibc_kept(in_use: float, kept: float, cause: str,
+                                                                      tmp_path) -> None:
+    samples = _heap_series(5.0, in_use, kept)
+    rates = analysis.growth(samples, 120)
+    explaining = analysis.growth(samples, 120, analysis.EXPLAINING)
+    (line,) = analysis.where_rss_goes(rates, explaining)
+    assert line.startswith(f"worker: RSS +300 MB/hour = heap in use {in_use * 60:+.0f} + freed but kept {kept * 60:+.0f}")
+    assert cause in line
+    heap_in_use = next(r for r in rates if r.metric == "heap_in_use_mb")
+    assert heap_in_use.ok is (in_use * 60 <= 64), "memory in use has RSS's budget"
+    meta = {"duration_s": 1800, "clients": 3, "sample_s": 60, "warmup_s": 120, "cluster": "ComposeCluster",
+            "modes": [], "distinct_requests": 1, "started": "now", "node_env": "MALLOC_ARENA_MAX=2"}
+    report.write(tmp_path, meta, [], samples, 0.0, 120, analysis.Verdicts([analysis.check_growth(rates)]))
+    md = (tmp_path / "soak.md").read_text()
+    assert cause in md and "node environment: MALLOC_ARENA_MAX=2" in md
+    assert f"| worker | ray::RayWorkerProc.run[9] | 2010 MB | 2150 MB | +300.0 MB | {kept * 60:+.1f} MB |" in md
+
+
+def test_without_heap_figures_the_rss_growth_says_so() -> None:
+    rates = analysis.growth(_series("head", "rss_mb", per_minute=2.0), 120)
+    (line,) = analysis.where_rss_goes(rates, [])
+    assert "no heap figures" in line

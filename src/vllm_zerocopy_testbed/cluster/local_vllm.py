@@ -54,7 +54,7 @@ class LocalVllmCluster(Cluster):
         # from compose/.env among them).
         self.ray = LocalRayCluster(
             [RayNodeSpec(HEAD_IP, **devices), *(RayNodeSpec(ip, **devices) for ip in WORKER_IPS[:workers])],
-            env=process_env(**self.settings.values),
+            env=process_env(**self.settings.values, **self.settings.node_env),
         )
         self._server = ApiServerProcess("API server", "testbed-api-")
         self._watchdog: subprocess.Popen[bytes] | None = None
@@ -78,7 +78,7 @@ class LocalVllmCluster(Cluster):
         self.ray.start()
         values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
-        env = {**process_env(), **values, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address,
+        env = {**process_env(), **values, **self.settings.node_env, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address,
                "VLLM_HOST_IP": HEAD_IP,
                "TESTBED_RAY_DRIVER_IP": HEAD_IP,  # the engine is the head node's driver
                "RAY_DEDUP_LOGS": "0"}  # every worker's rank and mode line, not one per kind
@@ -185,7 +185,8 @@ class LocalVllmCluster(Cluster):
         pids = set(self.ray.node_pids(index))
         for sid in self._head_sessions() if index == 0 else []:
             pids.update(session_pids(sid))
-        figures = {**node_usage.processes(sorted(pids)), **node_usage.by_process(pids)}
+        figures = {**node_usage.processes(sorted(pids)), **node_usage.by_process(pids),
+                   **node_usage.heap(pids, node_usage.largest(pids))}
         if index == 0:
             figures.update(node_usage.shm())
         figures.update(node_usage.object_store(self.ray.address, self.ray.nodes[index].ip))

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from vllm_zerocopy_testbed.node import heap as heap_probe
+
 MiB = 1024 * 1024
 
 
@@ -69,6 +71,32 @@ def by_process(pids: Iterable[int], top: int = 8, min_mb: float = 50.0) -> dict[
     return {f"rss_mb/{_name(pid)}[{pid}]": mb for mb, pid in sizes if mb >= min_mb}
 
 
+HEAP_FIGURES = ("heap_in_use_mb", "heap_free_mb")
+
+
+def heap(pids: Iterable[int], named: Iterable[int] = (), directory: Path = heap_probe.HEAP_DIR) -> dict[str, float]:
+    """The C heap of the processes among ``pids`` that run the heap probe (vLLM's, ``node/heap.py``):
+    node sums of bytes in use and of bytes freed but kept, and per process of ``named`` (the
+    largest, from ``by_process``) as ``heap_in_use_mb/<name>[<pid>]``. Empty without probes.
+    RSS growing with ``heap_in_use_mb`` flat is the allocator keeping memory, not a leak."""
+    files = heap_probe.read_files(list(pids), directory)
+    if not files:
+        return {}
+    figures = {f: sum(v.get(f, 0.0) for v in files.values()) for f in HEAP_FIGURES}
+    figures["heap_processes"] = float(len(files))
+    figures["python_blocks"] = sum(v.get("python_blocks", 0.0) for v in files.values())
+    for pid in named:
+        if pid in files:
+            figures.update({f"{f}/{_name(pid)}[{pid}]": files[pid].get(f, 0.0) for f in HEAP_FIGURES})
+    return figures
+
+
+def largest(pids: Iterable[int], top: int = 8, min_mb: float = 50.0) -> list[int]:
+    """The ``top`` processes with the most resident memory, at least ``min_mb`` each."""
+    sizes = sorted(((_rss_bytes(p) / MiB, p) for p in pids), reverse=True)[:top]
+    return [pid for mb, pid in sizes if mb >= min_mb]
+
+
 def shm(path: str | Path = "/dev/shm") -> dict[str, float]:
     """Bytes allocated in ``path`` (blocks, not apparent sizes: a sparse ring counts what it
     touched) and the number of files there."""
@@ -107,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-ip", default=None, help="this node's Ray address")
     args = parser.parse_args(argv)
     pids = all_pids(exclude=(os.getpid(),))
-    figures = {**processes(pids), **by_process(pids), **shm()}
+    figures = {**processes(pids), **by_process(pids), **heap(pids, largest(pids)), **shm()}
     if args.gcs and args.node_ip:
         figures.update(object_store(args.gcs, args.node_ip))
     print(json.dumps(figures))

@@ -7,6 +7,7 @@ import os
 import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
+from vllm_zerocopy_testbed.node import heap
 from vllm_zerocopy_testbed.patches import apply_modes, slowdown, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 
@@ -42,6 +43,8 @@ def register() -> None:
             timeline.install_writer(testbed_logger())
     if config.mq_timeline and role in ("engine-core", "ray-worker", "mp-worker"):
         timeline.install_reader(testbed_logger())
+    if role != "other":
+        heap.install(role, config.heap_probe_s)  # make soak reads it: a leak or the allocator keeping memory
     if config.broadcast_fault is not None and role == "engine-core":
         slowdown.install(config.broadcast_fault)
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not

@@ -151,6 +151,8 @@ def _soak(cluster: Cluster, settings: ClusterSettings, timeout_s: float, duratio
         latest = {s.node: s for s in sampler.samples}
         nodes = ", ".join(f"{n} rss {s.figures.get('rss_mb', 0):.0f} MB fds {s.figures.get('fds', 0):.0f}"
                           + (f" shm {s.figures['shm_mb']:.1f} MB" if "shm_mb" in s.figures else "")
+                          + (f" heap {s.figures['heap_in_use_mb']:.0f} MB in use, {s.figures['heap_free_mb']:.0f} MB kept"
+                             if "heap_in_use_mb" in s.figures else "")
                           if not s.error else f"{n}: {s.error}" for n, s in latest.items())
         last = analysis.per_minute(records, began)[-1:] or [analysis.Minute(0)]
         _say(start, f"soak {minute}/{-(-duration_s // 60):.0f} min: {len(records)} requests, {failed} failed, "
@@ -175,7 +177,7 @@ def _soak(cluster: Cluster, settings: ClusterSettings, timeout_s: float, duratio
         verdicts.items[0].fail(f"the first answers failed: {timeouts.check(firsts)}")
     meta = {"duration_s": duration_s, "clients": clients, "sample_s": sample_s, "warmup_s": warmup_s,
             "cluster": type(cluster).__name__, "modes": modes, "request_bound_s": timeout_s,
-            "distinct_requests": len(specs), "not_bit_identical": moved, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began))}
+            "distinct_requests": len(specs), "node_env": settings.values.get("TESTBED_NODE_ENV", ""), "not_bit_identical": moved, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began))}
     written = report.write(out, meta, records, sampler.samples, began, warmup_s, verdicts)
     print((out / "soak.md").read_text(), flush=True)
     _say(start, "written: " + ", ".join(str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)

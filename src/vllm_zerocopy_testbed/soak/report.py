@@ -13,22 +13,32 @@ from vllm_zerocopy_testbed.soak import analysis
 from vllm_zerocopy_testbed.soak.analysis import Growth, Minute, Sample, Verdicts
 from vllm_zerocopy_testbed.workload.requests import Record
 
-PLOTTED = ("rss_mb", "fds", "shm_mb", "shm_files", "object_store_mb")
+PLOTTED = ("rss_mb", "heap_in_use_mb", "heap_free_mb", "fds", "shm_mb", "shm_files", "object_store_mb")
 
 
 def growth_table(rates: list[Growth]) -> str:
     lines = ["| node | figure | first | last | growth per hour | budget | |", "|---|---|---|---|---|---|---|"]
     for r in rates:
         unit = analysis.UNITS[r.metric]
+        budgeted = r.budget != float("inf")
         lines.append(f"| {r.node} | {r.metric} | {r.first:.1f} | {r.last:.1f} | {r.per_hour:+.2f} {unit} | "
-                     f"{r.budget:g} {unit} | {'pass' if r.ok else '**FAIL**'} |")
+                     + (f"{r.budget:g} {unit} | {'pass' if r.ok else '**FAIL**'} |" if budgeted else "none | |"))
     return "\n".join(lines)
 
 
-def process_table(rates: list[Growth], top: int = 8) -> str:
-    lines = ["| node | process | first | last | RSS growth per hour |", "|---|---|---|---|---|"]
-    lines += [f"| {r.node} | {r.metric} | {r.first:.0f} MB | {r.last:.0f} MB | {r.per_hour:+.1f} MB |"
-              for r in rates[:top]]
+def process_table(rates: list[Growth], top: int = 8, heap: dict[str, list[Growth]] | None = None) -> str:
+    """The largest processes' RSS growth; with heap probes, beside it their heap in use and kept."""
+    heap = {k: {(g.node, g.metric): g for g in v} for k, v in (heap or {}).items()}
+    columns = [k for k in ("heap_in_use_mb", "heap_free_mb") if heap.get(k)]
+    titles = {"heap_in_use_mb": "heap in use", "heap_free_mb": "heap freed, kept"}
+    lines = ["| node | process | first | last | RSS growth per hour |" + "".join(f" {titles[c]} per hour |" for c in columns),
+             "|---|---|---|---|---|" + "---|" * len(columns)]
+    for r in rates[:top]:
+        cells = []
+        for column in columns:
+            found = heap[column].get((r.node, r.metric))
+            cells.append(f" {found.per_hour:+.1f} MB |" if found else " - |")
+        lines.append(f"| {r.node} | {r.metric} | {r.first:.0f} MB | {r.last:.0f} MB | {r.per_hour:+.1f} MB |" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -39,11 +49,13 @@ def minutes_table(minutes: list[Minute]) -> str:
 
 
 def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], minutes: list[Minute],
-             verdicts: Verdicts, sample_errors: list[str], processes: list[Growth] = ()) -> str:
+             verdicts: Verdicts, sample_errors: list[str], processes: list[Growth] = (),
+             explaining: list[Growth] = (), process_heap: dict[str, list[Growth]] | None = None) -> str:
     failed = sum(not r.ok for r in records)
     head = [f"# Soak ({meta['duration_s'] / 60:.0f} min, {meta['clients']} clients, {meta['cluster']})", "",
             f"Started {meta['started']}; modes: {', '.join(meta['modes']) or 'not logged'}; "
-            f"{meta['distinct_requests']} distinct requests; each node sampled every {meta['sample_s']:.0f} s; "
+            f"{meta['distinct_requests']} distinct requests; "
+            f"node environment: {meta.get('node_env') or 'none added'}; each node sampled every {meta['sample_s']:.0f} s; "
             f"growth fitted past the first {meta['warmup_s']:.0f} s (Theil-Sen slope).", "",
             f"**{'PASS' if verdicts.ok else 'FAIL'}**: {len(records)} requests, {failed} failed.", ""]
     checks = [f"- {v.checker}: {'ok' if v.ok else 'FAIL'}" + _figures(v.figures)
@@ -52,9 +64,13 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
         checks.append(f"- answers that were not bit-identical to their first (within the tolerance): "
                       f"{', '.join(meta['not_bit_identical'])}")
     errors = ["", "Samples that failed:", *(f"- {e}" for e in sample_errors[:10])] if sample_errors else []
-    where = (["", "Where RSS grows (the largest processes per node, no budget):", "", process_table(list(processes))]
-             if processes else [])
-    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table(rates), *where, "",
+    where = (["", "Where RSS grows (the largest processes per node, no budget):", "",
+              process_table(list(processes), heap=process_heap)] if processes else [])
+    diagnosis = analysis.where_rss_goes(rates, list(explaining))
+    diagnosis = ["", "What the RSS growth is (vLLM processes' heap probes, node/heap.py):", "",
+                 *(f"- {line}" for line in diagnosis)] if diagnosis else []
+    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table([*rates, *explaining]), *diagnosis,
+                      *where, "",
                       "## Latency per minute", "", minutes_table(minutes), ""])
 
 
@@ -113,6 +129,9 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
     out.mkdir(parents=True, exist_ok=True)
     rates = analysis.growth(samples, warmup_s)
     processes = analysis.process_growth(samples, warmup_s)
+    explaining = analysis.growth(samples, warmup_s, analysis.EXPLAINING)
+    process_heap = {k: analysis.process_growth(samples, warmup_s, prefix=f"{k}/")
+                    for k in ("heap_in_use_mb", "heap_free_mb")}
     minutes = analysis.per_minute(records, began)
     errors = [f"{s.at:.0f} s {s.node}: {s.error}" for s in samples if s.error]
     data = {"meta": meta, "ok": verdicts.ok,
@@ -120,12 +139,16 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
                          for v in verdicts.items],
             "growth": [r.to_json() for r in rates],
             "process_growth": [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in processes],
+            "explaining_growth": [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in explaining],
+            "process_heap_growth": {k: [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in v]
+                                    for k, v in process_heap.items()},
+            "where_rss_goes": analysis.where_rss_goes(rates, explaining),
             "minutes": [m.to_json() for m in minutes],
             "samples": [s.to_json() for s in samples],
             "requests": {"total": len(records), "failed": sum(not r.ok for r in records)}}
     paths = [out / "soak.json", out / "soak.md", out / "junit.xml"]
     paths[0].write_text(json.dumps(data, indent=1))
-    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes))
+    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes, explaining, process_heap))
     junit(verdicts, rates, meta["duration_s"]).write(paths[2], encoding="unicode", xml_declaration=False)
     paths.append(plot(out / "soak.png", samples, minutes))
     return paths

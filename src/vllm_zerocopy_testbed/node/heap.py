@@ -1,0 +1,133 @@
+"""Each vLLM process's C heap as glibc sees it, written every ``TESTBED_HEAP_PROBE_S`` seconds.
+
+Issue 19: a 30 min soak saw vLLM's Ray worker processes' resident memory grow 54..175 MB/hour
+each. Resident memory alone cannot tell a leak (memory still in use, growing) from an
+allocator that keeps what was freed (glibc's heap: freed chunks stay mapped until the top of
+an arena is free, and its mmap threshold rises after each large free, so later large buffers
+come from the arenas). ``mallinfo2()`` tells the two apart from inside the process: bytes in
+use (``uordblks`` + mmapped chunks) against bytes free but kept (``fordblks``).
+
+A process's probe thread writes ``<dir>/<pid>.json`` (atomically: a rename) with those figures
+and Python's own count of allocated blocks; ``node/usage.py`` reads the files of the live
+processes of its node. What is sent does not change; the cost is one ``mallinfo2`` call (it
+walks the arenas under their locks: well under a millisecond here) per period and process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HEAP_DIR = Path("/tmp/testbed-heap")
+MiB = 1024 * 1024
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo2() -> Any:
+    libc = ctypes.CDLL(None)
+    function = getattr(libc, "mallinfo2", None)  # glibc >= 2.33; none under musl
+    if function is None:
+        return None
+    function.restype = _Mallinfo2
+    return function
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def read() -> dict[str, float]:
+    """This process's heap now (MiB): ``heap_in_use_mb`` (allocated and not freed: arenas plus
+    mmapped chunks), ``heap_free_mb`` (freed, still held by the arenas), ``heap_mmapped_mb``,
+    ``heap_arena_mb`` (what the arenas took from the system); ``python_blocks`` (objects and
+    buffers Python's allocator holds). Without ``mallinfo2`` (not glibc): ``python_blocks`` only."""
+    figures: dict[str, float] = {"python_blocks": float(sys.getallocatedblocks())}
+    if _MALLINFO2 is not None:
+        info = _MALLINFO2()
+        figures.update(heap_in_use_mb=(info.uordblks + info.hblkhd) / MiB, heap_free_mb=info.fordblks / MiB,
+                       heap_mmapped_mb=info.hblkhd / MiB, heap_arena_mb=info.arena / MiB)
+    return figures
+
+
+def start_ticks(pid: int | str = "self") -> int:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); 0 if it is gone. With
+    the pid it names one process: a node container restarted keeps /tmp, and its pids come again."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def write(role: str, directory: Path = HEAP_DIR) -> Path:
+    """Write this process's figures to ``directory/<pid>.json`` (a rename: a reader never sees half)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{os.getpid()}.json"
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps({"pid": os.getpid(), "start": start_ticks(), "role": role, "t": time.time(),
+                                       **read()}))
+    os.replace(scratch, path)
+    return path
+
+
+def _loop(role: str, every_s: float, directory: Path) -> None:
+    while True:
+        try:
+            write(role, directory)
+        except OSError:
+            pass  # a full /tmp (a nemesis) costs a sample, never the process
+        time.sleep(every_s)
+
+
+_started: set[int] = set()
+
+
+def prune(directory: Path = HEAP_DIR) -> int:
+    """Remove the files of processes that are gone (killed ones leave theirs); return how many."""
+    removed = 0
+    for path in directory.glob("*.json"):
+        try:
+            written_by = json.loads(path.read_text()).get("start")
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours to judge
+        if not path.stem.isdigit() or written_by != start_ticks(int(path.stem)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def install(role: str, every_s: float, directory: Path = HEAP_DIR) -> bool:
+    """Start this process's probe thread (once per process; a forked child starts its own). Its
+    file goes at a normal exit; each new probe removes those of processes killed before."""
+    if every_s <= 0 or os.getpid() in _started:
+        return False
+    _started.add(os.getpid())
+    prune(directory)
+    atexit.register((directory / f"{os.getpid()}.json").unlink, missing_ok=True)
+    threading.Thread(target=_loop, args=(role, every_s, directory), daemon=True, name="testbed-heap-probe").start()
+    return True
+
+
+def read_files(pids: list[int], directory: Path = HEAP_DIR) -> dict[int, dict[str, Any]]:
+    """The probe files of ``pids`` written by those very processes (a process without a probe, or
+    a file left by an earlier process of the same pid: absent)."""
+    found = {}
+    for pid in pids:
+        try:
+            figures = json.loads((directory / f"{pid}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if figures.get("start") == start_ticks(pid):
+            found[pid] = figures
+    return found
