@@ -83,6 +83,9 @@ MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
 # Seconds between each vLLM process's heap figures (patches/heap.py, read by node/usage.py); 0: none.
 HEAP_PROBE_ENV = "TESTBED_HEAP_PROBE_S"
+# A diagnosis: N > 0 traces Python allocations (N frames each) in every vLLM process and writes
+# where memory grew (node/heap.py: _trace_loop); it slows every allocation. 0 (default): off.
+HEAP_TRACE_ENV = "TESTBED_HEAP_TRACE"
 # More environment for every process of a node (compose backend): NAME=VALUE words, e.g.
 # MALLOC_ARENA_MAX=2 (node scripts export them before Ray starts; see node_env()).
 NODE_ENV = "TESTBED_NODE_ENV"
@@ -132,6 +135,7 @@ class TestbedConfig:
     mq_timeline: bool = False
     broadcast_fault: BroadcastFault | None = None
     heap_probe_s: float = 30.0
+    heap_trace_frames: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -160,8 +164,12 @@ class TestbedConfig:
             heap_probe_s = -1.0
         if not heap_probe_s >= 0:  # also NaN
             raise ConfigError(f"{HEAP_PROBE_ENV}={probe_raw!r} is invalid; use seconds >= 0 (0: no heap figures)")
+        trace_raw = env.get(HEAP_TRACE_ENV, "0").strip()
+        if not trace_raw.isdigit():
+            raise ConfigError(f"{HEAP_TRACE_ENV}={trace_raw!r} is invalid; use a number of frames (0: off)")
         return cls(
             heap_probe_s=heap_probe_s,
+            heap_trace_frames=int(trace_raw),
             broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),
             detach=PatchMode.parse(env.get(DETACH_ENV, "testbed"), variable=DETACH_ENV),
             inflight=PatchMode.parse(env.get(INFLIGHT_ENV, "testbed"), variable=INFLIGHT_ENV),

@@ -90,6 +90,41 @@ def _loop(role: str, every_s: float, directory: Path) -> None:
         time.sleep(every_s)
 
 
+TRACE_PERIOD_S = 300.0  # a snapshot of millions of blocks takes seconds of the process's one core
+
+
+def _trace_loop(frames: int, directory: Path, period_s: float) -> None:
+    """``TESTBED_HEAP_TRACE=N`` (a diagnosis, not a default: it slows every allocation): where Python
+    memory is allocated and not freed. A baseline after ``period_s``, then every ``period_s``
+    ``<pid>.trace.json``: the allocation sites (N frames) and object types that grew most since."""
+    import gc
+    import tracemalloc
+    from collections import Counter
+
+    def types() -> Counter[str]:
+        return Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    tracemalloc.start(frames)
+    time.sleep(period_s)
+    baseline, baseline_types, since = tracemalloc.take_snapshot().filter_traces(ignore), types(), time.time()
+    while True:
+        time.sleep(period_s)
+        try:
+            stats = tracemalloc.take_snapshot().filter_traces(ignore).compare_to(baseline, "traceback")
+            grown = types() - baseline_types
+            report = {"since": since, "t": time.time(), "traced_mb": tracemalloc.get_traced_memory()[0] / MiB,
+                      "sites": [{"size_kb": round(st.size_diff / 1024, 1), "count": st.count_diff,
+                                 "where": [f"{f.filename}:{f.lineno}" for f in st.traceback]}
+                                for st in stats[:15]],
+                      "types": grown.most_common(15)}
+            scratch = directory / f"{os.getpid()}.trace.tmp"
+            scratch.write_text(json.dumps(report, indent=1))
+            os.replace(scratch, directory / f"{os.getpid()}.trace.json")
+        except OSError:
+            pass
+
+
 _started: set[int] = set()
 
 
@@ -97,6 +132,10 @@ def prune(directory: Path = HEAP_DIR) -> int:
     """Remove the files of processes that are gone (killed ones leave theirs); return how many."""
     removed = 0
     for path in directory.glob("*.json"):
+        if path.name.endswith(".trace.json"):
+            if not (directory / f"{path.name.split('.')[0]}.json").exists():
+                path.unlink(missing_ok=True)  # its process's own file went: so does its trace
+            continue
         try:
             written_by = json.loads(path.read_text()).get("start")
         except (OSError, ValueError):
@@ -107,7 +146,8 @@ def prune(directory: Path = HEAP_DIR) -> int:
     return removed
 
 
-def install(role: str, every_s: float, directory: Path = HEAP_DIR) -> bool:
+def install(role: str, every_s: float, directory: Path = HEAP_DIR, trace_frames: int = 0,
+            trace_period_s: float = TRACE_PERIOD_S) -> bool:
     """Start this process's probe thread (once per process; a forked child starts its own). Its
     file goes at a normal exit; each new probe removes those of processes killed before."""
     if every_s <= 0 or os.getpid() in _started:
@@ -115,7 +155,12 @@ def install(role: str, every_s: float, directory: Path = HEAP_DIR) -> bool:
     _started.add(os.getpid())
     prune(directory)
     atexit.register((directory / f"{os.getpid()}.json").unlink, missing_ok=True)
+    atexit.register((directory / f"{os.getpid()}.trace.json").unlink, missing_ok=True)
     threading.Thread(target=_loop, args=(role, every_s, directory), daemon=True, name="testbed-heap-probe").start()
+    if trace_frames > 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=_trace_loop, args=(trace_frames, directory, trace_period_s), daemon=True,
+                         name="testbed-heap-trace").start()
     return True
 
 

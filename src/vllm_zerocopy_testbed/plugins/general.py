@@ -44,7 +44,7 @@ def register() -> None:
     if config.mq_timeline and role in ("engine-core", "ray-worker", "mp-worker"):
         timeline.install_reader(testbed_logger())
     if role != "other":
-        heap.install(role, config.heap_probe_s)  # make soak reads it: a leak or the allocator keeping memory
+        heap.install(role, config.heap_probe_s, trace_frames=config.heap_trace_frames)  # make soak reads it: a leak or the allocator keeping memory
     if config.broadcast_fault is not None and role == "engine-core":
         slowdown.install(config.broadcast_fault)
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not

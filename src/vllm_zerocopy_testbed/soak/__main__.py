@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 import threading
 import time
@@ -192,6 +193,11 @@ def _mode_lines(cluster: Cluster) -> list[str]:
         return []
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    print(f"soak: {signal.Signals(signum).name}: stopping (the report is not written)", flush=True)
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", default="30m", help="how long the stream runs: 90s, 30m, 2h (default 30m)")
@@ -213,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     if warmup_s >= duration_s:
         parser.error(f"the warm-up ({warmup_s:.0f} s) must end before the soak does ({duration_s:.0f} s)")
     out = args.out or REPO_ROOT / "reports" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    # A CI job's timeout (or `kill`) sends SIGTERM: end through run's finally, which brings down
+    # the cluster this soak brought up, instead of leaving two node containers behind.
+    signal.signal(signal.SIGTERM, _terminated)
     ok = run(duration_s, out, clients=args.clients, sample_s=sample_s, warmup_s=warmup_s)
     sys.exit(0 if ok else 1)
 
