@@ -117,7 +117,7 @@ def plot(path: Path, samples: list[Sample], minutes: list[Minute]) -> Path:
     ax.set_xlabel("minutes")
     ax.grid(alpha=0.3)
     fig.suptitle("make soak: per node, over time")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # the title above the first plot, not over it
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
