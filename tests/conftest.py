@@ -94,3 +94,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             gc.enable()
     judge_report(outcome.get_result(), call.excinfo.value if call.excinfo else None,
                  getattr(item, "testbed_known", None))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The heap probe files of vLLM processes this run started and killed (a normal exit removes
+    its own): only files whose process is gone are removed."""
+    from vllm_zerocopy_testbed.node import heap
+
+    heap.prune()

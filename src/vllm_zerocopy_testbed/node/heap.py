@@ -9,8 +9,8 @@ use (``uordblks`` + mmapped chunks) against bytes free but kept (``fordblks``).
 
 A process's probe thread writes ``<dir>/<pid>.json`` (atomically: a rename) with those figures
 and Python's own count of allocated blocks; ``node/usage.py`` reads the files of the live
-processes of its node. What is sent does not change; the cost is one ``mallinfo2`` call (it
-walks the arenas under their locks: well under a millisecond here) per period and process.
+processes of its node. What is sent does not change; the cost is one ``mallinfo2`` call per period and process (it
+walks the arenas' free chunks under their locks: 40 ms with 100,000 free chunks, measured here).
 """
 
 from __future__ import annotations
