@@ -81,7 +81,7 @@ MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 # A stall injected on the broadcast, to show the latency checker red (patches/slowdown.py):
 # empty (none) | stall:S (the engine's first broadcast of a tensor >= 1 MiB held S seconds).
 FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
-# Seconds between each vLLM process's heap figures (patches/heap.py, read by node/usage.py); 0: none.
+# Seconds between each vLLM process's heap figures (node/heap.py, read by node/usage.py); 0: none.
 HEAP_PROBE_ENV = "TESTBED_HEAP_PROBE_S"
 # A diagnosis: N > 0 traces Python allocations (N frames each) in every vLLM process and writes
 # where memory grew (node/heap.py: _trace_loop); it slows every allocation. 0 (default): off.

@@ -70,21 +70,23 @@ def start_ticks(pid: int | str = "self") -> int:
         return 0
 
 
-def write(role: str, directory: Path = HEAP_DIR) -> Path:
-    """Write this process's figures to ``directory/<pid>.json`` (a rename: a reader never sees half)."""
+def write(role: str, directory: Path = HEAP_DIR, start: int | None = None) -> Path:
+    """Write this process's figures to ``directory/<pid>.json`` (a rename: a reader never sees half);
+    ``start``: this process's ``start_ticks()``, if already read."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{os.getpid()}.json"
     scratch = path.with_suffix(".tmp")
-    scratch.write_text(json.dumps({"pid": os.getpid(), "start": start_ticks(), "role": role, "t": time.time(),
+    scratch.write_text(json.dumps({"pid": os.getpid(), "start": start or start_ticks(), "role": role, "t": time.time(),
                                        **read()}))
     os.replace(scratch, path)
     return path
 
 
 def _loop(role: str, every_s: float, directory: Path) -> None:
+    start = start_ticks()
     while True:
         try:
-            write(role, directory)
+            write(role, directory, start)
         except OSError:
             pass  # a full /tmp (a nemesis) costs a sample, never the process
         time.sleep(every_s)
@@ -104,7 +106,8 @@ def _trace_loop(frames: int, directory: Path, period_s: float) -> None:
     def types() -> Counter[str]:
         return Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
 
-    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    # This loop's own allocations (its type counts) have this file anywhere in their traceback.
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__, all_frames=True)]
     tracemalloc.start(frames)
     time.sleep(period_s)
     baseline, baseline_types, since = tracemalloc.take_snapshot().filter_traces(ignore), types(), time.time()
@@ -158,7 +161,6 @@ def install(role: str, every_s: float, directory: Path = HEAP_DIR, trace_frames:
     atexit.register((directory / f"{os.getpid()}.trace.json").unlink, missing_ok=True)
     threading.Thread(target=_loop, args=(role, every_s, directory), daemon=True, name="testbed-heap-probe").start()
     if trace_frames > 0:
-        directory.mkdir(parents=True, exist_ok=True)
         threading.Thread(target=_trace_loop, args=(trace_frames, directory, trace_period_s), daemon=True,
                          name="testbed-heap-trace").start()
     return True

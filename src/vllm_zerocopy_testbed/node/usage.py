@@ -67,8 +67,7 @@ def _name(pid: int) -> str:
 def by_process(pids: Iterable[int], top: int = 8, min_mb: float = 50.0) -> dict[str, float]:
     """The ``top`` largest processes' resident memory, as ``rss_mb/<name>[<pid>]`` keys: which
     process a growth of the node's sum is in (a slow leak names itself)."""
-    sizes = sorted(((_rss_bytes(p) / MiB, p) for p in pids), reverse=True)[:top]
-    return {f"rss_mb/{_name(pid)}[{pid}]": mb for mb, pid in sizes if mb >= min_mb}
+    return {f"rss_mb/{_name(pid)}[{pid}]": _rss_bytes(pid) / MiB for pid in largest(pids, top, min_mb)}
 
 
 HEAP_FIGURES = ("heap_in_use_mb", "heap_free_mb")

@@ -50,7 +50,8 @@ def minutes_table(minutes: list[Minute]) -> str:
 
 def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], minutes: list[Minute],
              verdicts: Verdicts, sample_errors: list[str], processes: list[Growth] = (),
-             explaining: list[Growth] = (), process_heap: dict[str, list[Growth]] | None = None) -> str:
+             explaining: list[Growth] = (), process_heap: dict[str, list[Growth]] | None = None,
+             diagnosis: list[str] = ()) -> str:
     failed = sum(not r.ok for r in records)
     head = [f"# Soak ({meta['duration_s'] / 60:.0f} min, {meta['clients']} clients, {meta['cluster']})", "",
             f"Started {meta['started']}; modes: {', '.join(meta['modes']) or 'not logged'}; "
@@ -66,10 +67,9 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
     errors = ["", "Samples that failed:", *(f"- {e}" for e in sample_errors[:10])] if sample_errors else []
     where = (["", "Where RSS grows (the largest processes per node, no budget):", "",
               process_table(list(processes), heap=process_heap)] if processes else [])
-    diagnosis = analysis.where_rss_goes(rates, list(explaining))
-    diagnosis = ["", "What the RSS growth is (vLLM processes' heap probes, node/heap.py):", "",
-                 *(f"- {line}" for line in diagnosis)] if diagnosis else []
-    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table([*rates, *explaining]), *diagnosis,
+    what = ["", "What the RSS growth is (vLLM processes' heap probes, node/heap.py):", "",
+            *(f"- {line}" for line in diagnosis)] if diagnosis else []
+    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table([*rates, *explaining]), *what,
                       *where, "",
                       "## Latency per minute", "", minutes_table(minutes), ""])
 
@@ -132,6 +132,7 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
     explaining = analysis.growth(samples, warmup_s, analysis.EXPLAINING)
     process_heap = {k: analysis.process_growth(samples, warmup_s, prefix=f"{k}/")
                     for k in ("heap_in_use_mb", "heap_free_mb")}
+    diagnosis = analysis.where_rss_goes(rates, explaining)
     minutes = analysis.per_minute(records, began)
     errors = [f"{s.at:.0f} s {s.node}: {s.error}" for s in samples if s.error]
     data = {"meta": meta, "ok": verdicts.ok,
@@ -142,13 +143,14 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
             "explaining_growth": [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in explaining],
             "process_heap_growth": {k: [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in v]
                                     for k, v in process_heap.items()},
-            "where_rss_goes": analysis.where_rss_goes(rates, explaining),
+            "where_rss_goes": diagnosis,
             "minutes": [m.to_json() for m in minutes],
             "samples": [s.to_json() for s in samples],
             "requests": {"total": len(records), "failed": sum(not r.ok for r in records)}}
     paths = [out / "soak.json", out / "soak.md", out / "junit.xml"]
     paths[0].write_text(json.dumps(data, indent=1))
-    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes, explaining, process_heap))
+    paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes, explaining, process_heap,
+                                 diagnosis))
     junit(verdicts, rates, meta["duration_s"]).write(paths[2], encoding="unicode", xml_declaration=False)
     paths.append(plot(out / "soak.png", samples, minutes))
     return paths
