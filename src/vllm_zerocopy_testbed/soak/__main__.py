@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from vllm_zerocopy_testbed.vllm_source import running
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
@@ -176,7 +177,7 @@ def _soak(cluster: Cluster, settings: ClusterSettings, timeout_s: float, duratio
         verdicts.items[0].fail(f"a client was still waiting {timeout_s + 30:.0f} s after the stream stopped")
     if not all(r.ok for r in firsts):
         verdicts.items[0].fail(f"the first answers failed: {timeouts.check(firsts)}")
-    meta = {"duration_s": duration_s, "clients": clients, "sample_s": sample_s, "warmup_s": warmup_s,
+    meta = {"vllm": running(), "duration_s": duration_s, "clients": clients, "sample_s": sample_s, "warmup_s": warmup_s,
             "cluster": type(cluster).__name__, "modes": modes, "request_bound_s": timeout_s,
             "distinct_requests": len(specs), "node_env": settings.values.get("TESTBED_NODE_ENV", ""), "not_bit_identical": moved, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began))}
     written = report.write(out, meta, records, sampler.samples, began, warmup_s, verdicts)

@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from vllm_zerocopy_testbed.vllm_source import vllm_line
 from vllm_zerocopy_testbed.soak import analysis
 from vllm_zerocopy_testbed.soak.analysis import Growth, Minute, Sample, Verdicts
 from vllm_zerocopy_testbed.workload.requests import Record
@@ -56,6 +57,7 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
     head = [f"# Soak ({meta['duration_s'] / 60:.0f} min, {meta['clients']} clients, {meta['cluster']})", "",
             f"Started {meta['started']}; modes: {', '.join(meta['modes']) or 'not logged'}; "
             f"{meta['distinct_requests']} distinct requests; "
+            f"vLLM under test: {vllm_line(meta['vllm']) if meta.get('vllm') else '?'}; "
             f"node environment: {meta.get('node_env') or 'none added'}; each node sampled every {meta['sample_s']:.0f} s; "
             f"growth fitted past the first {meta['warmup_s']:.0f} s (Theil-Sen slope).", "",
             f"**{'PASS' if verdicts.ok else 'FAIL'}**: {len(records)} requests, {failed} failed.", ""]

