@@ -154,3 +154,21 @@ def test_bisect_finds_the_first_change_and_skips_what_cannot_run(tmp_path, monke
     assert len(ran) < len(candidates) + 1
     with pytest.raises(VllmSourceError, match="do not differ as named"):
         run_bisect(candidates, lambda c: vllm_source.Spec("release", c), [], tmp_path, good="a", bad="f")
+
+
+def test_old_overlays_are_pruned_and_one_in_use_is_kept(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(vllm_source, "KEEP_OVERLAYS", 2)
+    cache = tmp_path / "cache"
+    root = _checkout(tmp_path / "co")
+    paths = []
+    for n in range(3):
+        (root / SHM).write_text(f"def _reduce_tensor(t): return {n}\n")
+        paths.append(Path(prepare(str(root), cache=cache).path))
+        if n == 0:
+            first = paths[0]
+    assert not first.exists() and paths[1].exists() and paths[2].exists()
+    (root / SHM).write_text("def _reduce_tensor(t): return 1\n")
+    prepare(str(root), cache=cache)  # overlay 1 used again: overlay 2 is now the oldest
+    (root / SHM).write_text("def _reduce_tensor(t): return 3\n")
+    prepare(str(root), cache=cache)
+    assert paths[1].exists() and not paths[2].exists()

@@ -330,14 +330,28 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         files["vllm/_version.py"] = (f"# written by vllm_zerocopy_testbed.vllm_source: the checkout has none\n"
                                      f"__version__ = version = {version!r}\n"
                                      f"version_tuple = {tuple(Version(version).release)!r}\n").encode()
-    digest = _digest(files, base)
+    digest = _digest(files, f"{base}\0{spec.kind}\0{origin}")  # the manifest names where the code came from
     overlay = Overlay(spec=str(spec), kind=spec.kind, origin=origin, version=version, base=base, hash=digest,
                       files=len(files), compiled_note=note, lacks=_lacks(files))
     target = cache / "overlays" / digest
     overlay.path = str(target)
-    if not (target / MANIFEST).is_file():
+    if (target / MANIFEST).is_file():
+        (target / MANIFEST).touch()  # in use: the last to be pruned
+    else:
         _write(target, files, overlay)
+        _prune(target.parent, keep=KEEP_OVERLAYS)
     return overlay
+
+
+KEEP_OVERLAYS = 16  # ~50 MB each (the compiled parts are links): a bisect makes one per step
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used overlays in ``folder``."""
+    used = sorted((p for p in folder.iterdir() if (p / MANIFEST).is_file()),
+                  key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)
+    for stale in used[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write(target: Path, files: dict[str, bytes], overlay: Overlay) -> None:

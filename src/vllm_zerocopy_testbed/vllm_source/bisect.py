@@ -87,7 +87,9 @@ def run_test(spec: Spec, test: list[str], log: Path) -> Step:
     log.write_text(f"$ {' '.join(cmd)}\n# {overlay.describe()}\n{output}")
     lines = [l for l in output.strip().splitlines() if l.strip()]
     summary = lines[-1].strip("= ") if lines else f"exit {rc}"
-    outcome = PASS if rc == 0 else FAIL if rc == 1 else SKIP  # 2-5: interrupted, internal error, usage, none
+    # 1 is a failure only where a test failed: errors alone (setup, collection: the code did not
+    # import) say nothing of the property; 2-5 (interrupted, internal error, usage, none collected) neither.
+    outcome = PASS if rc == 0 else FAIL if rc == 1 and " failed" in f" {summary}" else SKIP
     return Step(spec.value, outcome, round(time.monotonic() - start, 1), summary, overlay.hash, str(log))
 
 
@@ -98,8 +100,9 @@ def bisect(candidates: list[str], spec_of, test: list[str], out: Path, good: str
 
     def outcome(i: int) -> str:
         step = run_test(spec_of(candidates[i]), test, out / f"{i:03d}-{candidates[i][:12]}.log")
+        step.name = candidates[i]  # a commit's tree is a scratch folder: the step is named by the commit
         result.steps.append(step)
-        print(f"bisect: {candidates[i]}: {step.outcome} ({step.summary}, {step.seconds:.0f} s)", flush=True)
+        print(f"bisect: {candidates[i][:12]}: {step.outcome} ({step.summary}, {step.seconds:.0f} s)", flush=True)
         known[i] = step.outcome
         return step.outcome
 
