@@ -47,6 +47,7 @@ help: ## list the targets
 	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker) | external; knobs in compose/.env"
 	@echo "  External: TESTBED_CLUSTER=external TESTBED_EXTERNAL_URL=http://HOST:8000/v1 [TESTBED_EXTERNAL_DASHBOARD=http://HEAD:8265] make e2e  (docs/multihost.md)"
 	@echo "  Device profile: PROFILE = cpu (default) | gpu (vllm CUDA wheels, compose.gpu.yaml: docs/gpu.md)"
+	@echo "  vLLM under test: VLLM = <release, e.g. 0.34.0> | <wheel file> | <checkout dir> on test*, e2e, up, bench, faults, soak (docs/vllm.md)"
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

@@ -14,7 +14,7 @@ if [ "$(docker image inspect -f '{{index .Config.Labels "testbed.inputs"}}' "$TA
 fi
 # The 28.x client has no buildx here; its classic builder needs BUILDKIT off.
 if docker buildx version >/dev/null 2>&1; then export DOCKER_BUILDKIT=1; else export DOCKER_BUILDKIT=0; fi
-OVERLAY=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); print(f" + vLLM {m["version"]} overlay {m["hash"]}")' wheelhouse/vllm-overlay/vllm-overlay.json 2>/dev/null || true)
+OVERLAY=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); print(" + vLLM %s overlay %s" % (m["version"], m["hash"]))' wheelhouse/vllm-overlay/vllm-overlay.json 2>/dev/null || true)
 echo "image: building $TAG from $BASE ($DIST$OVERLAY); log in /tmp/testbed-build.log"
 start=$(date +%s)
 if ! timeout 1800 docker build -f images/node/Dockerfile --build-arg BASE_IMAGE="$BASE" \

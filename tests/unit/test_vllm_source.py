@@ -172,3 +172,13 @@ def test_old_overlays_are_pruned_and_one_in_use_is_kept(tmp_path, monkeypatch) -
     (root / SHM).write_text("def _reduce_tensor(t): return 3\n")
     prepare(str(root), cache=cache)
     assert paths[1].exists() and not paths[2].exists()
+
+
+def test_unmet_requirements_are_named_and_cuda_only_ones_left_out() -> None:
+    from importlib.metadata import version
+
+    unmet = vllm_source.unmet_requirements([
+        "numpy", "no-such-dist-for-the-testbed>=1", "pyzmq<1", "torchvision==0.29.0", "nvidia-nccl-cu13",
+        'orjson; python_version < "3"', "not a requirement !!"])
+    assert unmet == ["no-such-dist-for-the-testbed (missing)", f"pyzmq<1 ({version('pyzmq')} installed)"]
+    assert "2 of its requirements not met" in vllm_source.requirements_note(unmet)

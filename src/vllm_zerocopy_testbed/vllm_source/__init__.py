@@ -183,6 +183,54 @@ def unpack(release: str, folder: Path) -> int:
     return len(files)
 
 
+def _wheel_requires(wheel: Path) -> list[str]:
+    """The wheel's own ``Requires-Dist`` lines (its METADATA)."""
+    with zipfile.ZipFile(wheel) as archive:
+        meta = next((n for n in archive.namelist() if n.endswith(".dist-info/METADATA")), None)
+        text = archive.read(meta).decode(errors="replace") if meta else ""
+    return [line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def _checkout_requires(root: Path) -> list[str]:
+    """A checkout's run-time requirements (``requirements/common.txt`` and ``cpu.txt``), where it has them."""
+    lines = []
+    for name in ("common.txt", "cpu.txt"):
+        path = root / "requirements" / name
+        if path.is_file():
+            lines += [l.split("#")[0].strip() for l in path.read_text().splitlines()
+                      if l.strip() and not l.startswith(("#", "-"))]
+    return [l for l in lines if l]
+
+
+# Needed by a CUDA build only: a CPU run neither has nor needs them.
+_GPU_ONLY = re.compile(r"^(nvidia-.*|cupy.*|flashinfer.*|pynvvideocodec|torchaudio|torchvision|torchcodec|triton.*|"
+                       r"apache-tvm-ffi|deep-gemm|quack-kernels|xformers|nixl.*|cuda-.*)$")
+
+
+def unmet_requirements(lines: list[str]) -> list[str]:
+    """The requirements (no extras; markers for this interpreter) this environment does not satisfy."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    unmet = []
+    for line in lines:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        name = canonicalize_name(req.name)
+        if _GPU_ONLY.match(name) or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = dist_version(req.name)
+        except PackageNotFoundError:
+            unmet.append(f"{req.name} (missing)")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{req.name}{req.specifier} ({have} installed)")
+    return unmet
+
+
 def _wheel_compiled(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         return sorted(n for n in archive.namelist() if n.startswith("vllm/") and _COMPILED.search(n))
@@ -249,6 +297,7 @@ class Overlay:
     compiled_note: str  # what the overlay cannot carry ("" when nothing)
     path: str = ""
     lacks: list[str] = field(default_factory=list)  # paths under test the source does not have
+    unmet: list[str] = field(default_factory=list)  # its requirements this environment does not satisfy
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
         """``env`` (default: this process's) with the overlay first on ``PYTHONPATH``."""
@@ -259,7 +308,8 @@ class Overlay:
     def describe(self) -> str:
         """One line: which vLLM this is, from where, and its hash."""
         note = f"; {self.compiled_note}" if self.compiled_note else ""
-        return f"vLLM {self.version} ({self.kind} {self.origin}, overlay {self.hash}, compiled parts {self.base}{note})"
+        return (f"vLLM {self.version} ({self.kind} {self.origin}, overlay {self.hash}, compiled parts {self.base}{note})"
+                + requirements_note(self.unmet))
 
 
 # Files whose absence means a path under test is gone from that vLLM (the reports say so).
@@ -315,6 +365,7 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         else:
             note = ""
         origin = str(root)
+        unmet = unmet_requirements(_checkout_requires(root))
     else:
         wheel = Path(spec.value) if spec.kind == "wheel" else release_wheel(spec.value, cache)
         files = _wheel_files(wheel)
@@ -324,6 +375,7 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         if version != base_version:
             note = (f"its own C++ ({len(own)} compiled modules) is not carried: the kernels are {base}'s")
         origin = str(wheel)
+        unmet = unmet_requirements(_wheel_requires(wheel))
     if not files.get("vllm/__init__.py"):
         raise VllmSourceError(f"{spec}: no vllm/__init__.py among its files")
     if not _version_of(files):
@@ -332,11 +384,17 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
                                      f"version_tuple = {tuple(Version(version).release)!r}\n").encode()
     digest = _digest(files, f"{base}\0{spec.kind}\0{origin}")  # the manifest names where the code came from
     overlay = Overlay(spec=str(spec), kind=spec.kind, origin=origin, version=version, base=base, hash=digest,
-                      files=len(files), compiled_note=note, lacks=_lacks(files))
+                      files=len(files), compiled_note=note, lacks=_lacks(files), unmet=unmet)
     target = cache / "overlays" / digest
     overlay.path = str(target)
-    if (target / MANIFEST).is_file():
-        (target / MANIFEST).touch()  # in use: the last to be pruned
+    manifest = target / MANIFEST
+    if manifest.is_file():
+        wanted = json.dumps(asdict(overlay), indent=1)
+        if manifest.read_text() != wanted:  # same files, newer facts about them (written by an older testbed)
+            scratch = manifest.with_name(f".{MANIFEST}.{os.getpid()}")
+            scratch.write_text(wanted)
+            scratch.rename(manifest)
+        manifest.touch()  # in use: the last to be pruned
     else:
         _write(target, files, overlay)
         _prune(target.parent, keep=KEEP_OVERLAYS)
@@ -402,7 +460,8 @@ def running() -> dict:
     found = manifest_of(package)
     if found:
         return {"version": found["version"], "origin": f"{found['kind']} {found['origin']}", "hash": found["hash"],
-                "base": found["base"], "compiled_note": found["compiled_note"], "lacks": found.get("lacks", [])}
+                "base": found["base"], "compiled_note": found["compiled_note"], "lacks": found.get("lacks", []),
+                "unmet": found.get("unmet", [])}
     files = _package_files(package)
     base = f"{_installed_dist()} {installed_version()}"
     return {"version": _version_of(files) or installed_version(), "origin": f"installed {base}", "hash": "",
@@ -415,6 +474,14 @@ def running_line() -> str:
     return f"{info['version']}@{info['hash']}" if info.get("hash") else info["version"]
 
 
+def requirements_note(unmet: list[str]) -> str:
+    """``""``, or what of the code's requirements this environment lacks (a server may then not start)."""
+    if not unmet:
+        return ""
+    shown = ", ".join(unmet[:8]) + (f" and {len(unmet) - 8} more" if len(unmet) > 8 else "")
+    return f"; {len(unmet)} of its requirements not met here (not installed by an overlay): {shown}"
+
+
 def vllm_line(info: dict) -> str:
     """A report's line for ``running()``'s answer: version, where from, hash, what is not carried."""
     text = f"{info['version']} ({info['origin']}"
@@ -425,7 +492,7 @@ def vllm_line(info: dict) -> str:
         text += f"; {info['compiled_note']}"
     if info.get("lacks"):
         text += f"; has no {', '.join(info['lacks'])}"
-    return text
+    return text + requirements_note(info.get("unmet", []))
 
 
 def stage_for_image(folder: Path, overlay: Overlay | None) -> None:
