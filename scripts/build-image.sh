@@ -15,10 +15,12 @@ fi
 # The 28.x client has no buildx here; its classic builder needs BUILDKIT off.
 if docker buildx version >/dev/null 2>&1; then export DOCKER_BUILDKIT=1; else export DOCKER_BUILDKIT=0; fi
 OVERLAY=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); print(" + vLLM %s overlay %s" % (m["version"], m["hash"]))' wheelhouse/vllm-overlay/vllm-overlay.json 2>/dev/null || true)
+# The overlay's hash ("" for the installed vLLM): a cluster is reused only by a run naming the same code.
+CODE=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["hash"])' wheelhouse/vllm-overlay/vllm-overlay.json 2>/dev/null || true)
 echo "image: building $TAG from $BASE ($DIST$OVERLAY); log in /tmp/testbed-build.log"
 start=$(date +%s)
 if ! timeout 1800 docker build -f images/node/Dockerfile --build-arg BASE_IMAGE="$BASE" \
-    --build-arg VLLM_DIST="$DIST" --label testbed.inputs="$INPUTS" -t "$TAG" . >/tmp/testbed-build.log 2>&1; then
+    --build-arg VLLM_DIST="$DIST" --label testbed.inputs="$INPUTS" --label testbed.vllm="$CODE" -t "$TAG" . >/tmp/testbed-build.log 2>&1; then
   tail -n 30 /tmp/testbed-build.log >&2
   echo "image build failed (full log: /tmp/testbed-build.log)" >&2
   exit 1

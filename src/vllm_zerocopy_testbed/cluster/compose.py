@@ -123,10 +123,13 @@ class ComposeCluster(Cluster):
             return False
         heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]
         env = dict(e.partition("=")[::2] for e in heads[0]["Config"]["Env"]) if heads else {}
-        # Started from the image as it is now (VLLM= rebuilds it with other vLLM code)?
-        image = self._run(["docker", "image", "inspect", "-f", "{{.Id}}", self.settings.image], timeout=30,
-                          check=False).stdout.strip()
-        return bool(heads) and heads[0]["Image"] == image and all(env.get(k) == v for k, v in settings.items())
+        # Started from an image with the vLLM code this run names (VLLM=: the overlay's hash)?
+        try:
+            overlay = vllm_source.from_env(self._env)
+        except vllm_source.VllmSourceError:
+            return False
+        code = heads[0]["Config"]["Labels"].get("testbed.vllm", "") if heads else None
+        return code == (overlay.hash if overlay else "") and all(env.get(k) == v for k, v in settings.items())
 
     def _inspect(self) -> list[dict]:
         """Return ``docker inspect`` of every container of our project (running or not)."""
