@@ -136,7 +136,7 @@ compose-config: $(STAMP) ## validate and print the resolved compose file for PRO
 up: $(STAMP) ## bring up head + worker containers (vLLM PP=2 x TP=2 over Ray; PROFILE=gpu), print placement and modes
 	$(CLUSTER) up
 
-down: $(STAMP) ## remove the cluster's containers and network
+down: $(STAMP) ## remove the cluster's containers and network (the compile cache volumes stay: make clean)
 	$(CLUSTER) down
 
 logs: $(STAMP) ## follow the cluster's logs
@@ -145,5 +145,9 @@ logs: $(STAMP) ## follow the cluster's logs
 ps: $(STAMP) ## list the cluster's containers
 	$(COMPOSE) ps -a
 
-clean: ## remove the venvs, caches and reports
+PROJECT_NAME := $(shell sed -n 's/^COMPOSE_PROJECT_NAME=//p' compose/.env)
+COMPILE_CACHE := $(PROJECT_NAME)_inductor-cache $(PROJECT_NAME)_vllm-cache
+clean: ## remove the venvs, caches, reports and the nodes' compile caches (volumes `make down` keeps)
 	rm -rf .venv .venv-gpu .venv-smoke .cache reports .pytest_cache
+	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
+	  docker volume rm -f $(COMPILE_CACHE) >/dev/null && echo "removed volumes $(COMPILE_CACHE)"; fi

@@ -70,6 +70,8 @@ def expect(request: pytest.FixtureRequest):
         if os.environ.get(known.env):
             return  # the run named its mode: the property must hold
         reason = known.reasons.get(mode.value)
+        if reason and mode is UPSTREAM and known.upstream_needs in vllm_source.running()["lacks"]:
+            reason = None  # this vLLM predates the path the upstream failure lives in (make matrix: 0.26.0)
         if reason:
             request.node.testbed_known = known.signature  # expected only as itself
         elif mode is UPSTREAM:

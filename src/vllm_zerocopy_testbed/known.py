@@ -50,10 +50,13 @@ class Known:
     env: str
     reasons: dict[str, str]
     signature: Signature
+    # The upstream reason holds only where the vLLM code has this path (vllm_source's names):
+    # before it, upstream behaves as the pre-fix code and the property must hold (or fail as ``off``).
+    upstream_needs: str = ""
 
 
-def _known(env: str, reasons: dict[str, str], pattern: str) -> Known:
-    return Known(env, reasons, Signature(pattern))
+def _known(env: str, reasons: dict[str, str], pattern: str, upstream_needs: str = "") -> Known:
+    return Known(env, reasons, Signature(pattern), upstream_needs)
 
 
 # An array still backed by a compiled-graph channel: read in place (unit), or the next read
@@ -71,7 +74,9 @@ COMPONENT: dict[str, Known] = {
         r"read_error.*UntypedStorage' has no attribute 'dtype'"),
     "race_free_tensor": _known(
         BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live tensor"},
-        r"saw bytes written after enqueue"),
+        r"saw bytes written after enqueue",
+        # before PR 48442 (0.26.0) torch's reducer copies tensors into the pickle stream: no alias
+        upstream_needs="tensors out of band"),
     "race_free_ndarray": _known(
         BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live array",
                         "off": "numpy buffers >= 1 MiB have always gone to ZMQ with copy=False"},

@@ -42,7 +42,7 @@ class VersionResult:
     has_oob_fix: bool | None = None
     has_detach_fix: bool | None = None
     has_cgraph: bool | None = None
-    race_53217: str = "?"  # upstream's enqueue race: "still there", "gone", or "?"
+    race_53217: str = "?"  # what upstream's enqueue lets ZMQ alias: "tensors, arrays", "arrays", "none", "?"
     origin: str = ""  # the wheel the code came from
     overlay: str = ""  # the overlay's hash
     seconds: float = 0.0
@@ -67,14 +67,24 @@ def _outcome(case: ET.Element) -> str:
 
 
 def race_verdict(junit: Path) -> str:
-    """Whether upstream's code still lets ZMQ alias live memory (PR 53217), from the race tests' outcomes."""
-    outcomes = {_outcome(c) for c in ET.parse(junit).getroot().iter("testcase")
-                if c.get("name", "").startswith("test_mutating_after_enqueue") and "upstream" in c.get("name", "")}
-    if outcomes == {"known-fail"}:
-        return "still there"
-    if outcomes == {"passed"}:
-        return "gone"
-    return "?" if not outcomes else "mixed: " + ", ".join(sorted(outcomes))
+    """What upstream's code lets ZMQ alias after ``enqueue`` returned (PR 53217), from the race tests:
+    "tensors, arrays", "arrays", "none", or "?" where they did not run or failed otherwise."""
+    racy, clean = set(), set()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name", "")
+        if not name.startswith("test_mutating_after_enqueue") or "upstream" not in name:
+            continue
+        kind = "tensors" if "tensor" in name else "arrays"
+        outcome = _outcome(case)
+        if outcome == "known-fail":
+            racy.add(kind)
+        elif outcome == "passed":
+            clean.add(kind)
+        else:
+            return "?"
+    if racy & clean or not racy | clean:
+        return "?"  # one kind racy on one path and not on another, or nothing ran
+    return ", ".join(k for k in ("tensors", "arrays") if k in racy) or "none"
 
 
 def _mode_counts(junit: Path) -> dict[str, dict[str, int]]:
@@ -130,7 +140,7 @@ def table(results: list[VersionResult]) -> str:
     modes = [m.value for m in (PatchMode.OFF, PatchMode.UPSTREAM, PatchMode.TESTBED)]
     yes = {True: "yes", False: "no", None: "?"}
     lines = ["| vLLM code | tensor OOB (PR 48442) | detach (PR 35736) | compiled-graph executor | "
-             "53217 race (upstream) | " + " | ".join(modes) + " | s |",
+             "53217 race: aliased (upstream) | " + " | ".join(modes) + " | s |",
              "|---" * (6 + len(modes)) + "|"]
     for r in results:
         cells = [_cell(r.modes.get(m)) for m in modes] if r.installed else [r.error] + [""] * (len(modes) - 1)

@@ -9,6 +9,7 @@ from openai import OpenAI
 
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.node import warmup
 from live.suite import MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S
 from vllm_zerocopy_testbed.workload.embeds import encode, rows_for
 
@@ -83,3 +84,19 @@ def test_every_process_runs_the_profile_modes(cluster) -> None:
     if cluster.backend.owned:  # the image runs the vLLM this run names (VLLM=, the report's header)
         code = f"vllm={vllm_source.running_line()}"
         assert all(line.endswith(code) for line in lines), f"want {code!r} in every line (VLLM=...): {lines}"
+
+
+def test_a_warm_compile_cache_is_loaded_not_rebuilt(cluster) -> None:
+    """Issue 21: what the first requests compile is kept (compose: a named volume across `make down`);
+    a start that found it there builds nothing again. A start with an empty cache fills it."""
+    blind = cluster.backend.blind_to("engine-log")
+    if blind:
+        pytest.skip(blind)
+    found = [m for m in map(warmup.CACHE_LINE.search, cluster.backend.logs().splitlines()) if m]
+    if not found:
+        pytest.skip("this backend's start-up logs no compile-cache line (only the compose head's warm-up does)")
+    before, built = int(found[-1]["before"]), int(found[-1]["built"])
+    if before == 0:
+        pytest.skip(f"the first start on an empty compile cache: it built {built} precompiled header(s) for later")
+    assert built == 0, (f"{built} precompiled header(s) built again although {before} were in the cache "
+                        f"(a cache key changed, or the cache is not where torch looks): {found[-1][0]}")

@@ -36,18 +36,26 @@ def test_outcomes_are_counted_per_mode_from_the_test_ids(tmp_path) -> None:
 
 def test_the_race_verdict_reads_the_upstream_race_tests(tmp_path) -> None:
     junit = tmp_path / "j.xml"
-    junit.write_text(JUNIT.replace("test_race", "test_mutating_after_enqueue_never_reaches_readers"))
-    assert race_verdict(junit) == "still there"
+    race = JUNIT.replace("test_race", "test_mutating_after_enqueue_never_reaches_readers")
+    junit.write_text(race)
+    assert race_verdict(junit) == "tensors"
+    arrays_only = race.replace('name="test_mutating_after_enqueue_never_reaches_readers[remote-tensor-upstream]">\n'
+                               '  <skipped type="pytest.xfail" message="PR 53217"/></testcase>',
+                               'name="test_mutating_after_enqueue_never_reaches_readers[remote-tensor-upstream]"/>\n'
+                               '<testcase classname="t" name="test_mutating_after_enqueue_never_reaches_readers'
+                               '[remote-ndarray-upstream]"><skipped type="pytest.xfail" message="x"/></testcase>')
+    junit.write_text(arrays_only)
+    assert race_verdict(junit) == "arrays"
     junit.write_text(JUNIT)
     assert race_verdict(junit) == "?"
 
 
 def test_the_table_has_a_row_per_version_with_the_paths_present() -> None:
-    rows = [VersionResult("0.34.0", True, True, False, False, "still there", seconds=60.0,
+    rows = [VersionResult("0.34.0", True, True, False, False, "tensors, arrays", seconds=60.0,
                           modes={"off": {"passed": 3, "known-fail": 2}}),
             VersionResult("0.25.0", error="no overlay: no wheel of that release")]
     text = table(rows).splitlines()
     assert text[0].startswith("| vLLM code | tensor OOB (PR 48442) | detach (PR 35736) | compiled-graph executor | "
-                              "53217 race (upstream) | off |")
-    assert text[2].startswith("| 0.34.0 | yes | no | no | still there | 3 passed, 2 known-fail |")
+                              "53217 race: aliased (upstream) | off |")
+    assert text[2].startswith("| 0.34.0 | yes | no | no | tensors, arrays | 3 passed, 2 known-fail |")
     assert "no overlay" in text[3]

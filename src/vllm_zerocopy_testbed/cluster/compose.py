@@ -159,7 +159,8 @@ class ComposeCluster(Cluster):
 
     def down(self) -> None:
         """Remove our containers and network (bounded)."""
-        self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10",
+        # Not --volumes: the compile caches are named volumes kept for the next start (make clean).
+        self.compose("down", "--remove-orphans", "--timeout", "10",
                      timeout=self.down_timeout, check=False)
 
     # -- what the suites ask ---------------------------------------------
