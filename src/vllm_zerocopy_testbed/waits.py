@@ -24,17 +24,26 @@ class WaitAborted(RuntimeError):
 def wait_until(what: str, ready: Callable[[], T], *, timeout: float, poll_s: float = 1.0,
                abort: Callable[[], str | None] = lambda: None,
                log_tail: Callable[[], str] = lambda: "",
-               progress: Callable[[], str] = lambda: "") -> T:
+               progress: Callable[[], str] = lambda: "",
+               announce: Callable[[str], None] | None = None, announce_every_s: float = 15.0) -> T:
     """Poll ``ready`` until it returns something true, and return that; at most ``timeout`` s.
 
     ``abort`` is asked before each poll: a message from it ends the wait (``WaitAborted``).
     ``progress`` says how far it got (``"1 of 2 nodes"``), ``log_tail`` what the awaited
-    process logged last; both go into the error. ``ready`` is called at least once, even
-    with ``timeout`` 0.
+    process logged last; both go into the error. ``announce``, if given, gets a line every
+    ``announce_every_s`` while the wait goes on: what it waits for, the seconds so far of the
+    bound, and the progress (a long start says what it is at). ``ready`` is called at least
+    once, even with ``timeout`` 0.
     """
     started = time.monotonic()
     deadline = started + max(0.0, timeout)
+    next_announce = started + announce_every_s
     while True:
+        if announce is not None and time.monotonic() >= next_announce:
+            done = progress()
+            announce(f"{what}: waiting, {time.monotonic() - started:.0f} s of {timeout:.0f} s"
+                     + (f" ({done})" if done else ""))
+            next_announce += announce_every_s
         reason = abort()
         if reason:
             raise WaitAborted(_message(f"{what}: {reason}", started, progress, log_tail))

@@ -39,3 +39,15 @@ def test_an_abort_ends_the_wait_at_once_and_names_why() -> None:
         wait_until("API server /health", lambda: calls.append(1), timeout=30,
                    abort=lambda: "exited (1)" if calls else None)
     assert time.monotonic() - started < 5 and len(calls) == 1
+
+
+def test_a_long_wait_announces_what_it_is_at() -> None:
+    lines: list[str] = []
+    polls = iter(range(100))
+    wait_until("head healthy", lambda: next(polls) >= 6, timeout=10, poll_s=0.05, announce=lines.append,
+               announce_every_s=0.1, progress=lambda: "head starting")
+    assert lines and all(line.startswith("head healthy: waiting, ") and line.endswith("of 10 s (head starting)")
+                         for line in lines)
+    quiet: list[str] = []
+    wait_until("ready", lambda: True, timeout=10, announce=quiet.append, announce_every_s=0.1)
+    assert quiet == []  # a wait that ends at once says nothing

@@ -23,6 +23,7 @@ from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, par
 from vllm_zerocopy_testbed.config import LOCAL_BASE_IMAGE, REPO_ROOT, ClusterSettings, process_env
 from vllm_zerocopy_testbed.config import base_image as config_base_image
 from vllm_zerocopy_testbed import vllm_source
+from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -89,17 +90,45 @@ class ComposeCluster(Cluster):
         self.prepare()
         start = time.monotonic()
         self._remove_stopped_leftovers()
-        proc = self.compose("up", "-d", "--wait", "--wait-timeout", str(int(self.up_timeout)),
-                            timeout=self.up_timeout + 60, check=False)
-        # `up --wait` has returned 0 while the head was still starting and then exited:
-        # check every container ourselves.
-        unhealthy = self.unhealthy() if proc.returncode == 0 else {"compose": proc.stderr[-1500:]}
-        if unhealthy:
-            raise ClusterStartError(
-                f"cluster not healthy within {self.up_timeout:.0f} s: {unhealthy}\n"
-                f"--- last log lines ---\n{self.logs(tail=60)}\n(`make down` removes it)"
-            )
+        proc = self.compose("up", "-d", timeout=300, check=False)
+        if proc.returncode != 0:
+            raise ClusterStartError(f"compose up failed: {proc.stderr[-1500:]}\n(`make down` removes what it made)")
+        # Our own wait, not compose's --wait (it has returned 0 while the head was still starting
+        # and then exited): every container running and healthy, what each is at said every 15 s.
+        seen_exited: set[str] = set()
+
+        def exited_for_good() -> str | None:
+            states = self.unhealthy()
+            exited = {n for n, state in states.items() if state.startswith(("exited", "dead"))}
+            gone = exited & seen_exited  # twice in a row: no restart is coming
+            seen_exited.clear()
+            seen_exited.update(exited)
+            return f"{', '.join(sorted(gone))} exited: {', '.join(states[n] for n in sorted(gone))}" if gone else None
+
+        try:
+            wait_until("cluster healthy", lambda: not self.unhealthy(), timeout=self.up_timeout, poll_s=5,
+                       abort=exited_for_good, progress=self._start_progress, announce=logger.info,
+                       log_tail=lambda: self.logs(tail=60))
+        except (WaitTimeout, WaitAborted) as exc:
+            raise ClusterStartError(f"{exc}\n(`make down` removes it)") from None
         return time.monotonic() - start
+
+    def _start_progress(self) -> str:
+        """What each node is at while the cluster starts (``head running/starting, worker running/healthy``)."""
+        try:
+            infos = self._inspect()
+        except (RuntimeError, TimeoutError):
+            return ""
+        parts = []
+        for info in infos:
+            state = info["State"]
+            health = (state.get("Health") or {}).get("Status", "")
+            service = info["Config"]["Labels"].get("com.docker.compose.service", info["Name"].lstrip("/"))
+            parts.append(f"{service} {state['Status']}" + (f"/{health}" if health else ""))
+        # ... and what the head last said (Ray nodes, the engine, the warm-up), not its /health answers
+        lines = [l for l in self.logs("head", tail=40).splitlines() if l.strip() and "/health" not in l]
+        last = lines[-1].split("|", 1)[-1].strip()[-100:] if lines else ""
+        return ", ".join(sorted(parts)) + (f"; head: {last}" if last else "")
 
     def is_running(self) -> bool:
         """Return whether every container of ours is up and healthy (e.g. after ``make up``)."""
