@@ -56,6 +56,9 @@ class InBandArray(np.ndarray):
         return _rebuild, (array.tobytes(), array.dtype.str, array.shape)
 
 
+WARMUP_TIMEOUT_S = 120.0
+
+
 def run(*, inband: bool, inflight: int = 2, steps: int = 6, slow_s: float = 1.0, timeout_s: float = 20.0,
         address: str | None = None) -> tuple[bool, str]:
     """Run the schedule; return (every get answered, what happened)."""
@@ -89,6 +92,11 @@ def run(*, inband: bool, inflight: int = 2, steps: int = 6, slow_s: float = 1.0,
     with InputNode() as inp:
         dag = MultiOutputNode([r.step.bind(inp) for r in ranks])
     compiled = dag.experimental_compile()
+    # One execution alone first, read whole, under a start-up bound: the actors' first call
+    # (imports, channel set-up) must not count against the get timeout the schedule is about
+    # (a busy machine took over 10 s there and an in-band run read as a deadlock).
+    for ref in compiled.execute(-1):
+        ref.get(timeout=max(timeout_s, WARMUP_TIMEOUT_S))
     # A graph stuck in the raylet does not tear down: the caller ends the process (os._exit);
     # the Cluster's Ray processes share its fate.
     pending = [compiled.execute(i) for i in range(inflight - 1)]
