@@ -127,7 +127,8 @@ class ComposeCluster(Cluster):
             parts.append(f"{service} {state['Status']}" + (f"/{health}" if health else ""))
         # ... and what the head last said (Ray nodes, the engine, the warm-up), not its /health answers
         lines = [l for l in self.logs("head", tail=40).splitlines() if l.strip() and "/health" not in l]
-        last = lines[-1].split("|", 1)[-1].strip()[-100:] if lines else ""
+        # its message: past the compose prefix and vLLM's "[file.py:N] " tag, at most 100 characters
+        last = lines[-1].split("|", 1)[-1].rsplit("] ", 1)[-1].strip()[:100] if lines else ""
         return ", ".join(sorted(parts)) + (f"; head: {last}" if last else "")
 
     def is_running(self) -> bool:
