@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
+from vllm_zerocopy_testbed.config import Executor
 from live.suite import PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
@@ -106,8 +107,11 @@ def test_a_sequence_longer_than_the_channel_timeout_never_stalls(cluster: LiveCl
     """Outputs held across steps block the next channel read until RAY_CGRAPH_get_timeout (issue 35319).
 
     Requests one after another for longer than that timeout: every one answers
-    within its bound and equals the first answer of its kind.
+    within its bound and equals the first answer of its kind. Only where there is such a
+    channel (issue 21): on V2 it passed in every mode and guarded no pair, for 65 s a profile.
     """
+    if cluster.profile.executor is not Executor.CGRAPH:
+        pytest.skip("RayExecutorV2 has no compiled-graph channel to time out: the cgraph profiles run this")
     seconds = float(cluster.settings.values.get("RAY_CGRAPH_get_timeout", "60")) + 5
     records = cluster.run("sequential", logprobs_specs(), seconds=seconds)
     judge(cluster, timeouts.check(records), bitexact.check(records, bitexact.first_answers(logprobs_run)))
