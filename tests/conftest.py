@@ -1,6 +1,6 @@
 """Modes under test and the failures each mode is known to have.
 
-Without ``TESTBED_BROADCAST`` / ``TESTBED_DETACH`` in the environment every
+Without ``TESTBED_BROADCAST`` / ``TESTBED_DETACH`` (``TESTBED_INFLIGHT``, ``TESTBED_ARENA``) in the environment every
 mode runs, and a known failure is a strict xfail: if a fix-off mode stops
 failing, the suite turns red. With one of them set, only that mode runs and
 every property must hold, so ``TESTBED_BROADCAST=off TESTBED_DETACH=off make
@@ -15,7 +15,7 @@ import os
 import pytest
 from packaging.version import Version
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
+from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.known import COMPONENT, judge_report
 from vllm_zerocopy_testbed import vllm_source
 
@@ -56,7 +56,7 @@ def modes_under_test(env: str) -> list[PatchMode]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for fixture, env in (("broadcast_mode", BROADCAST_ENV), ("detach_mode", DETACH_ENV),
-                         ("inflight_mode", INFLIGHT_ENV)):
+                         ("inflight_mode", INFLIGHT_ENV), ("arena_mode", ARENA_ENV)):
         if fixture in metafunc.fixturenames:
             metafunc.parametrize(fixture, modes_under_test(env), ids=lambda m: m.value)
 

@@ -68,6 +68,8 @@ BROADCAST_ENV = "TESTBED_BROADCAST"
 DETACH_ENV = "TESTBED_DETACH"
 # The compiled-graph in-flight cap (issue 5, patches/inflight.py); e2e profiles set it to the detach mode.
 INFLIGHT_ENV = "TESTBED_INFLIGHT"
+# vLLM 0.32's opt-in shared-memory tensor arena (patches/arena.py); used only where vLLM enables it.
+ARENA_ENV = "TESTBED_ARENA"
 COMMUNICATOR_ENV = "TESTBED_CPU_COMMUNICATOR"
 PLATFORM_ENV = "TESTBED_CPU_PLATFORM"
 # Ray resource name the CPU platform asks for per worker. `HPU` serves both the
@@ -128,6 +130,7 @@ class TestbedConfig:
     broadcast: PatchMode = PatchMode.TESTBED
     detach: PatchMode = PatchMode.TESTBED
     inflight: PatchMode = PatchMode.TESTBED
+    arena: PatchMode = PatchMode.TESTBED
     communicator: CommunicatorChoice = CommunicatorChoice.HOST_AWARE
     cpu_platform: bool = True
     ray_device_key: str = "HPU"
@@ -173,6 +176,7 @@ class TestbedConfig:
             broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),
             detach=PatchMode.parse(env.get(DETACH_ENV, "testbed"), variable=DETACH_ENV),
             inflight=PatchMode.parse(env.get(INFLIGHT_ENV, "testbed"), variable=INFLIGHT_ENV),
+            arena=PatchMode.parse(env.get(ARENA_ENV, "testbed"), variable=ARENA_ENV),
             communicator=communicator,
             cpu_platform=platform_raw == "on",
             ray_device_key=key,

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV
+from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV
 
 # pytest.fail() raises _pytest.outcomes.Failed; matched by name, so this module needs no pytest.
 ASSERTION = ("AssertionError", "Failed")
@@ -93,6 +93,17 @@ COMPONENT: dict[str, Known] = {
                                     "write: SIGBUS once /dev/shm is full)",
                         "off": "vLLM creates its MessageQueue ring sparse"},
         r"the ring is sparse"),
+    "arena_used": _known(
+        ARENA_ENV, {"off": "before vLLM 0.32 there was no arena: tensors >= 8 MiB take the pickle path"},
+        r"went through the arena"),
+    "arena_reader_isolation": _known(
+        ARENA_ENV, {"upstream": "vLLM 0.32's readers all view the same shared slot: one reader's write is every "
+                                "reader's"},
+        r"saw another reader's write"),
+    "arena_failed_enqueue": _known(
+        ARENA_ENV, {"upstream": "vLLM 0.32 claims a slot while pickling; an enqueue that then fails publishes "
+                                "nothing and never frees it"},
+        r"slot\(s\) leaked by failed enqueues"),
     "detach_sampling_mask": _known(
         DETACH_ENV, {"off": "before PR 35736 channel-backed arrays are kept",
                      "upstream": "upstream's detach copies logprobs and aux rows only, not sampling_masks"},

@@ -85,3 +85,16 @@ def test_pipeline_table_and_report_carry_the_in_flight_counts(tmp_path) -> None:
     report.write(tmp_path, broadcast=[], channel=[], e2e=[], meta={}, pipeline=figures)
     assert json.loads((tmp_path / "bench.json").read_text())["pipeline"][1]["inflight"] == 1
     assert "PP overlap lost" in (tmp_path / "bench.md").read_text()
+
+
+def test_arena_table_gives_gib_per_s_the_memcpy_goal_and_the_paired_ratio() -> None:
+    from vllm_zerocopy_testbed.bench.arena import ArenaFigure
+    from vllm_zerocopy_testbed.bench.report import arena_table
+
+    memcpy = Sample(10.0, 0.01, 9)
+    table = arena_table([ArenaFigure(2, 64 << 20, "arena upstream", Sample(15.625, 0.02, 9), memcpy),
+                         ArenaFigure(2, 64 << 20, "arena testbed", Sample(31.25, 0.03, 9), memcpy, 2.0, 0.1),
+                         ArenaFigure(2, 64 << 20, "ring", Sample(62.5, 0.01, 9), memcpy)])
+    assert "| 2 | 64 MiB | arena upstream | 15.62 | 2% | 4.00 | 10.000 | 1.6 | yes | - |" in table
+    assert "| 2 | 64 MiB | arena testbed | 31.25 | 3% | 2.00 | 10.000 | 3.1 | no | 2.00 (10% ⚠) |" in table
+    assert "| 2 | 64 MiB | ring | 62.50 | 1% | 1.00 | 10.000 | 6.2 | - | - |" in table

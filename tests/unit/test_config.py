@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 def test_defaults_are_ours() -> None:
     config = TestbedConfig.from_env({})
     assert config.broadcast is PatchMode.TESTBED and config.detach is PatchMode.TESTBED
-    assert config.inflight is PatchMode.TESTBED
+    assert config.inflight is PatchMode.TESTBED and config.arena is PatchMode.TESTBED
     assert config.communicator is CommunicatorChoice.HOST_AWARE and config.ray_device_key == "HPU"
 
 
@@ -27,6 +27,7 @@ def test_modes_parse_case_insensitively() -> None:
         ({"TESTBED_BROADCAST": "on"}, ["TESTBED_BROADCAST", "upstream", "off", "testbed"]),
         ({"TESTBED_DETACH": "yes"}, ["TESTBED_DETACH", "upstream", "off", "testbed"]),
         ({"TESTBED_INFLIGHT": "1"}, ["TESTBED_INFLIGHT", "upstream", "off", "testbed"]),
+        ({"TESTBED_ARENA": "on"}, ["TESTBED_ARENA", "upstream", "off", "testbed"]),
         ({"TESTBED_CPU_COMMUNICATOR": "shm"}, ["host-aware", "stock"]),
         ({"TESTBED_RAY_DEVICE_KEY": "TPU"}, ["HPU", "GPU"]),
     ],

@@ -46,7 +46,7 @@ def test_another_exception_type_is_a_new_failure() -> None:
 
 def test_every_component_known_failure_names_a_reason_per_mode_and_a_pattern() -> None:
     for prop, known in COMPONENT.items():
-        assert known.env in ("TESTBED_BROADCAST", "TESTBED_DETACH", "TESTBED_INFLIGHT"), prop
+        assert known.env in ("TESTBED_BROADCAST", "TESTBED_DETACH", "TESTBED_INFLIGHT", "TESTBED_ARENA"), prop
         assert known.reasons and set(known.reasons) <= {"off", "upstream"}, prop
         assert known.signature.pattern and known.signature.exceptions, prop
 

@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 from vllm_zerocopy_testbed.vllm_source import running
-from vllm_zerocopy_testbed.bench import broadcast, channel, detach, e2e, pipeline, report
+from vllm_zerocopy_testbed.bench import arena, broadcast, channel, detach, e2e, pipeline, report
 from vllm_zerocopy_testbed.config import REPO_ROOT
 
-PARTS = ("broadcast", "channel", "pipeline", "e2e", "inflight")
+PARTS = ("broadcast", "arena", "channel", "pipeline", "e2e", "inflight")
 # Opt-in: inflight (two more compiled-graph cluster starts, ~8 min, would break the 15 min budget).
-DEFAULT_PARTS = ("broadcast", "channel", "pipeline", "e2e")
+DEFAULT_PARTS = ("broadcast", "arena", "channel", "pipeline", "e2e")
 # Fewer sizes and repeats, e2e only against a cluster already up, no pipeline part (~60 s of Ray start).
-QUICK_PARTS = ("broadcast", "channel", "e2e")
+QUICK_PARTS = ("broadcast", "arena", "channel", "e2e")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     def say(text: str) -> None:
         print(f"[{time.monotonic() - start:6.1f} s] {text}", flush=True)
 
-    results: dict[str, list] = {"broadcast": [], "channel": [], "detach": [], "pipeline": [], "e2e": []}
+    results: dict[str, list] = {"broadcast": [], "arena": [], "channel": [], "detach": [], "pipeline": [], "e2e": []}
     if "broadcast" in parts:
         say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
         results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{f.ratio_to_memcpy:.1f} x memcpy"
             + (f", {f.vs_upstream:.2f} x upstream" if f.vs_upstream is not None and f.mode != "upstream" else "")
             + ")"))
+    if "arena" in parts:
+        say("arena: vLLM 0.32's shm tensor arena (upstream/testbed taking turns) vs ring vs overflow vs memcpy, "
+            "local readers, every page read")
+        results["arena"] = arena.run(quick=args.quick, progress=lambda f: say(
+            f"  {f.readers} reader(s) {f.nbytes >> 20:>4} MiB {f.transport:14} {f.message.median_ms:8.2f} ms/msg "
+            f"(spread {f.message.spread:.0%}, n={f.message.n}, {f.gib_per_s:.2f} GiB/s, {f.ratio_to_memcpy:.1f} x memcpy"
+            + (f", {f.vs_upstream:.2f} x arena upstream" if f.vs_upstream is not None else "") + ")"))
     if "channel" in parts:
         say("channel: compiled graph over two Ray nodes, none/detach/lists")
         results["channel"] = channel.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_zerocopy_testbed.vllm_source import vllm_line
+from vllm_zerocopy_testbed.bench.arena import GOAL_X_MEMCPY, ArenaFigure
 from vllm_zerocopy_testbed.bench.broadcast import BroadcastFigure
 from vllm_zerocopy_testbed.bench.channel import ChannelFigure
 from vllm_zerocopy_testbed.bench.detach import DetachFigure
@@ -33,6 +34,19 @@ def broadcast_table(figures: list[BroadcastFigure]) -> str:
         lines.append(f"| {f.topology} | {_size(f.nbytes)} | {f.mode} | {f.message.median_ms:.2f} | "
                      f"{_flag(f.message.spread)} | {f.enqueue_ms:.2f} | {f.memcpy.median_ms:.3f} | "
                      f"{f.ratio_to_memcpy:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def arena_table(figures: list[ArenaFigure]) -> str:
+    lines = ["| readers | size | transport | per message (ms) | spread | GiB/s | memcpy (ms) | x memcpy "
+             f"| within {GOAL_X_MEMCPY:g}x memcpy | / arena upstream (same rounds) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for f in figures:
+        ratio = "-" if f.vs_upstream is None else f"{f.vs_upstream:.2f} ({_flag(f.vs_upstream_spread or 0.0)})"
+        goal = ("yes" if f.ratio_to_memcpy <= GOAL_X_MEMCPY else "no") if f.transport.startswith("arena") else "-"
+        lines.append(f"| {f.readers} | {_size(f.nbytes)} | {f.transport} | {f.message.median_ms:.2f} | "
+                     f"{_flag(f.message.spread)} | {f.gib_per_s:.2f} | {f.memcpy.median_ms:.3f} | "
+                     f"{f.ratio_to_memcpy:.1f} | {goal} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -94,7 +108,7 @@ def _save(plt: Any, fig: Any, path: Path) -> Path:
 
 
 def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFigure],
-           e2e: list[LatencyFigure]) -> list[Path]:
+           e2e: list[LatencyFigure], arena: list[ArenaFigure]) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,6 +127,20 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
             ax.plot([p[0] / (1 << 20) for p in memcpy], [p[1] for p in memcpy], "k--", label="memcpy")
             _log_log(ax, "tensor (MiB)", "ms per message", topology)
         written.append(_save(plt, fig, out / "broadcast.png"))
+    if arena:
+        counts = sorted({f.readers for f in arena})
+        fig, axes = plt.subplots(1, len(counts), figsize=(4.5 * len(counts), 4), squeeze=False)
+        for ax, readers in zip(axes[0], counts):
+            cells = [f for f in arena if f.readers == readers]
+            for transport in dict.fromkeys(f.transport for f in cells):
+                points = sorted((f.nbytes, f.message.median_ms) for f in cells if f.transport == transport)
+                ax.plot([p[0] / (1 << 20) for p in points], [p[1] for p in points], marker="o", label=transport)
+            memcpy = sorted({(f.nbytes, f.memcpy.median_ms) for f in cells})
+            ax.plot([p[0] / (1 << 20) for p in memcpy], [p[1] for p in memcpy], "k--", label="memcpy")
+            ax.plot([p[0] / (1 << 20) for p in memcpy], [p[1] * GOAL_X_MEMCPY for p in memcpy], "k:",
+                    label=f"{GOAL_X_MEMCPY:g} x memcpy")
+            _log_log(ax, "tensor (MiB)", "ms per message", f"{readers} local reader(s)")
+        written.append(_save(plt, fig, out / "arena.png"))
     if channel:
         fig, ax = plt.subplots(figsize=(5, 4))
         for variant in ("none", "detach", "lists"):
@@ -137,15 +165,16 @@ def _plots(out: Path, broadcast: list[BroadcastFigure], channel: list[ChannelFig
 
 def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelFigure], e2e: list[LatencyFigure],
           meta: dict[str, Any], detach: list[DetachFigure] | None = None,
-          pipeline: list[PipelineFigure] | None = None) -> list[Path]:
+          pipeline: list[PipelineFigure] | None = None, arena: list[ArenaFigure] | None = None) -> list[Path]:
     """Write bench.json, bench.md and the plots under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    detach, pipeline = detach or [], pipeline or []
-    data = {"meta": meta, "broadcast": [asdict(f) for f in broadcast], "channel": [asdict(f) for f in channel],
+    detach, pipeline, arena = detach or [], pipeline or [], arena or []
+    data = {"meta": meta, "broadcast": [asdict(f) for f in broadcast], "arena": [asdict(f) for f in arena],
+            "channel": [asdict(f) for f in channel],
             "detach": [asdict(f) for f in detach], "pipeline": [asdict(f) for f in pipeline],
             "e2e": [asdict(f) for f in e2e]}
     (out / "bench.json").write_text(json.dumps(data, indent=1))
-    plots = _plots(out, broadcast, channel, e2e)
+    plots = _plots(out, broadcast, channel, e2e, arena)
     md = [f"# make bench ({'quick' if meta.get('quick') else 'full'}), {meta.get('started', '')}", "",
           f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', '?')}; vLLM under test: "
           f"{vllm_line(meta['vllm']) if meta.get('vllm') else '?'}.", "",
@@ -159,6 +188,8 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
           "baseline. Broadcast `off` runs in its own block after them (its heavy messages slow the next ones); "
           "its `/ upstream` is a ratio of medians.", ""]
     for title, table, plot in (("MessageQueue broadcast", broadcast_table(broadcast) if broadcast else "", "broadcast"),
+                               ("Shared-memory tensor arena vs ring vs overflow vs memcpy (local readers; every "
+                                "page read; goal: arena within 2x memcpy)", arena_table(arena) if arena else "", "arena"),
                                ("Compiled-graph channel: detach vs none vs lists",
                                 channel_table(channel) if channel else "", "channel"),
                                ("The detach alone, testbed vs upstream (goal <= 1.1x)",

@@ -27,13 +27,16 @@ import numpy as np
 import torch
 
 from vllm_zerocopy_testbed.config import PatchMode
-from vllm_zerocopy_testbed.patches import broadcast
+from vllm_zerocopy_testbed.patches import arena, broadcast
 
 logger = logging.getLogger(__name__)
 
 _STOP = "__testbed_stop__"
 # Readers that ``keep`` their messages answer this with a fresh report of everything they kept.
 _RECHECK = "__testbed_recheck__"
+# ``(_CONTROL, action, rank or None for all, index)``: a ``keep`` reader acts on its kept message
+# ``index`` (``READER_ACTIONS``); every reader acknowledges.
+_CONTROL = "__testbed_control__"
 # Key of an ``ack_only`` report: ``time.perf_counter()`` in the reader once the message was
 # rebuilt; CLOCK_MONOTONIC, so comparable with the writer's on the same host.
 RECEIVED_AT = "received_at"
@@ -50,6 +53,8 @@ class QueueTopology:
     max_chunk_bytes: int = 24 * 1024 * 1024
     # Remote readers connect over TCP here; never 127.0.0.1, which Ray rewrites.
     remote_ip: str = "127.0.0.2"
+    # vLLM 0.32's shared-memory tensor arena (local readers only: vLLM ignores it otherwise)
+    arena: bool = False
 
     @property
     def readers(self) -> int:
@@ -117,6 +122,29 @@ def _writable_in_place(tensor: torch.Tensor) -> bool:
         return False
 
 
+def _drop(kept: list[dict[str, Any]], index: int) -> None:
+    kept[index] = {}  # the last reference: the storage (and an arena slot's view) is freed now
+
+
+def _write(kept: list[dict[str, Any]], index: int) -> None:
+    for value in kept[index].values():
+        with torch.no_grad():
+            value.fill_(1)  # a reader that computes in place on what it received
+
+
+def _keep_view_of_view(kept: list[dict[str, Any]], index: int) -> None:
+    kept[index] = {name: view_of_view(value) for name, value in kept[index].items()}
+
+
+def view_of_view(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a strided view of a view of ``tensor`` (what a reader may keep of a message)."""
+    return tensor.reshape(-1)[8:][::3]
+
+
+# What a ``keep`` reader can be told to do with one kept message (``MessageQueueHarness.control``).
+READER_ACTIONS = {"drop": _drop, "write": _write, "view-of-view": _keep_view_of_view}
+
+
 def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int] | None]:
     """Return the next message and, for ``wire_report``, the sizes of its ZMQ frames."""
     if not wire_report:
@@ -129,8 +157,22 @@ def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int]
     return pickle.loads(frames[0], buffers=frames[1:]), sizes
 
 
+PAGE = 4096
+
+
+def touch_pages(payload: dict[str, Any]) -> int:
+    """Read one byte of every page of every tensor in ``payload`` (what a consumer pays before it can
+    use a zero-copy view: the page faults of a mapping, none for bytes already copied in)."""
+    total = 0
+    for value in payload.values():
+        if isinstance(value, torch.Tensor) and value.numel():
+            total += int(value.detach().reshape(-1).view(torch.uint8)[::PAGE].sum())
+    return total
+
+
 def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
-                 ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False) -> None:
+                 ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False,
+                 touch: bool = False) -> None:
     if cpus:  # before any thread starts: ZMQ's I/O threads inherit it
         os.sched_setaffinity(0, cpus)
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -148,6 +190,12 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
                 return
         if isinstance(payload, str) and payload == _STOP:
             return
+        if isinstance(payload, tuple) and payload and payload[0] == _CONTROL:
+            _, action, target, index = payload
+            if target in (None, rank):
+                READER_ACTIONS[action](kept, index)
+            results.put((rank, {"done": action}))
+            continue
         if isinstance(payload, str) and payload == _RECHECK:
             results.put((rank, {f"{i}/{name}": describe_item(value)
                                 for i, message in enumerate(kept) for name, value in message.items()}))
@@ -157,7 +205,9 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
         if frame_sizes is not None:
             results.put((rank, {"frames": frame_sizes}))
             continue
-        if ack_only:  # benchmarks: when the message was rebuilt (loads); nothing is hashed
+        if ack_only:  # benchmarks: when the message was rebuilt (loads; ``touch``: and every page read)
+            if touch:
+                touch_pages(payload)
             results.put((rank, {RECEIVED_AT: time.perf_counter()}))
             continue
         not_writable = any("not writable" in str(w.message) for w in caught)
@@ -178,10 +228,12 @@ class MessageQueueHarness:
         topology: QueueTopology,
         mode: PatchMode,
         timeout: float = 60.0,
+        arena_mode: PatchMode = PatchMode.TESTBED,
         wire_report: bool = False,
         ack_only: bool = False,
         remote_reader_cpus: frozenset[int] | None = None,
         keep: bool = False,
+        touch: bool = False,
     ) -> None:
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
@@ -189,8 +241,10 @@ class MessageQueueHarness:
         self.ack_only = ack_only
         self.remote_reader_cpus = remote_reader_cpus
         self.keep = keep
+        self.touch = touch
         self.topology = topology
         self.mode = mode
+        self.arena_mode = arena_mode
         self.timeout = timeout
         self._ctx = mp.get_context("spawn")
         self._results = self._ctx.Queue()
@@ -200,6 +254,7 @@ class MessageQueueHarness:
     def __enter__(self) -> "MessageQueueHarness":
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+        arena.apply(self.arena_mode)  # first: broadcast composes enqueue with the arena's guard
         broadcast.apply(self.mode)
         topo = self.topology
         self.writer = MessageQueue(
@@ -208,6 +263,7 @@ class MessageQueueHarness:
             local_reader_ranks=list(range(1, topo.local_readers + 1)),
             max_chunk_bytes=topo.max_chunk_bytes,
             connect_ip=topo.remote_ip,
+            **({"enable_shm_tensor_arena": True} if topo.arena else {}),
         )
         handle = self.writer.export_handle()
         try:
@@ -216,7 +272,7 @@ class MessageQueueHarness:
                 proc = self._ctx.Process(
                     target=_reader_main,
                     args=(handle, rank, self._results, self.timeout, self.wire_report, self.ack_only, cpus,
-                          self.keep),
+                          self.keep, self.touch),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )
@@ -233,7 +289,7 @@ class MessageQueueHarness:
 
     @property
     def reader_pids(self) -> list[int]:
-        return [p.pid for p in self._readers if p.pid is not None]
+        return [p.pid for p in self._readers if p.pid is not None and p.is_alive()]  # a killed one's pid is reused
 
     def pause_readers(self) -> None:
         """SIGSTOP every reader: their ZMQ I/O threads stop draining the sockets."""
@@ -244,16 +300,40 @@ class MessageQueueHarness:
         for pid in self.reader_pids:
             os.kill(pid, signal.SIGCONT)
 
-    def send(self, payload: dict[str, Any]) -> None:
+    def kill_reader(self, rank: int) -> None:
+        """SIGKILL reader ``rank`` (1-based) and reap it: a worker that dies holding what it received."""
+        proc = self._readers[rank - 1]
+        proc.kill()
+        proc.join(timeout=10)
+
+    def send(self, payload: Any) -> None:
         self.writer.enqueue(payload, timeout=self.timeout)
 
-    def collect(self, within: float | None = None) -> dict[int, dict[str, Any]]:
+    def control(self, action: str, index: int, rank: int | None = None,
+                ranks: set[int] | None = None) -> None:
+        """Tell ``keep`` reader ``rank`` (None: every reader) to ``action`` its kept message ``index``
+        (``READER_ACTIONS``); return once the readers in ``ranks`` (default all) acknowledged."""
+        if action not in READER_ACTIONS:
+            raise ValueError(f"unknown reader action {action!r}; use one of {sorted(READER_ACTIONS)}")
+        if not self.keep:
+            raise ValueError("reader actions work on kept messages: create the harness with keep=True")
+        self.send((_CONTROL, action, rank, index))
+        self.collect(ranks=ranks)
+
+    def arena_slots(self) -> list[str]:
+        """The writer's arena slots now (``arena.slot_states``); empty without an arena."""
+        tensor_arena = getattr(self.writer, "tensor_arena", None)
+        return arena.slot_states(tensor_arena) if tensor_arena is not None else []
+
+    def collect(self, within: float | None = None, ranks: set[int] | None = None) -> dict[int, dict[str, Any]]:
         """Return each reader's report of the next message (``ack_only``: ``{RECEIVED_AT: t}``);
-        raise if one is late (``within`` seconds, default the harness timeout) or dead."""
+        raise if one is late (``within`` seconds, default the harness timeout) or dead. ``ranks``:
+        wait for these readers only (others killed on purpose)."""
         within = self.timeout if within is None else within
         deadline = time.monotonic() + within
+        wanted = set(range(1, self.topology.readers + 1)) if ranks is None else set(ranks)
         reports: dict[int, dict[str, Any]] = {}
-        while len(reports) < self.topology.readers:
+        while not wanted <= set(reports):
             try:
                 rank, report = self._results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
@@ -265,7 +345,7 @@ class MessageQueueHarness:
                     ) from None
                 continue
             reports[rank] = report
-        return reports
+        return {rank: report for rank, report in reports.items() if rank in wanted}
 
     def broadcast(self, payload: dict[str, Any]) -> dict[int, dict[str, ItemReport]]:
         self.send(payload)

@@ -42,6 +42,7 @@ import torch
 import zmq
 
 from vllm_zerocopy_testbed.config import PatchMode
+from vllm_zerocopy_testbed.patches import arena
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,10 @@ OFF_POLICY = EnqueuePolicy(PatchMode.OFF, zero_copy_tensors=False, hold_until_se
 TESTBED_POLICY = EnqueuePolicy(PatchMode.TESTBED, zero_copy_tensors=True, hold_until_sent=True)
 
 
-def serialize(obj: Any, zero_copy_tensors: bool) -> list[Any]:
-    """Return ``[pickle stream, out-of-band buffer, ...]`` for ``obj``."""
+def serialize(obj: Any, zero_copy_tensors: bool, tensor_arena: Any = None) -> list[Any]:
+    """Return ``[pickle stream, out-of-band buffer, ...]`` for ``obj``; with a ``tensor_arena``
+    (vLLM 0.32's opt-in arena), its pickler as ``TESTBED_ARENA`` chose it copies tensors >= 8 MiB
+    into slots first (``patches/arena.py``)."""
     frames: list[Any] = [b""]
 
     def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
@@ -130,7 +133,10 @@ def serialize(obj: Any, zero_copy_tensors: bool) -> list[Any]:
         return False
 
     with io.BytesIO() as stream:
-        pickler = pickle.Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=keep_in_band)
+        if tensor_arena is not None:
+            pickler = arena.pickler_class()(stream, tensor_arena, buffer_callback=keep_in_band)
+        else:
+            pickler = pickle.Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=keep_in_band)
         if zero_copy_tensors:
             # Start from copyreg's table so globally registered reducers still apply.
             table = dict(copyreg.dispatch_table)
@@ -268,16 +274,15 @@ def _readers(mq: Any, path: str) -> str:
     return f"{mq.n_local_reader} local reader(s) of the overflow socket"
 
 
-def make_enqueue(policy: EnqueuePolicy, installed: Callable[..., None]) -> Callable[..., None]:
+def make_enqueue(policy: EnqueuePolicy) -> Callable[..., None]:
     """Return a ``MessageQueue.enqueue`` replacement that follows ``policy``."""
 
     def enqueue(self: Any, obj: Any, timeout: float | None = None) -> None:
         assert self._is_writer, "Only writers can enqueue"
-        if getattr(self, "tensor_arena", None) is not None:
-            # The opt-in shm tensor arena is its own transport; leave it to vLLM.
-            return installed(self, obj, timeout)
         started = time.monotonic()
-        frames = serialize(obj, policy.zero_copy_tensors)
+        # The arena (if any) takes tensors >= 8 MiB; what it leaves (smaller tensors, arrays, a
+        # full arena's fallbacks) may overflow to ZMQ and is held like any other message's.
+        frames = serialize(obj, policy.zero_copy_tensors, getattr(self, "tensor_arena", None))
         pending: list[Pending] = []
         if self.n_local_reader > 0:
             if _ring_bytes(frames) > self.buffer.max_chunk_bytes:
@@ -355,7 +360,7 @@ def _ring_init(installed: Callable[..., None]) -> Callable[..., None]:
 
 def apply(mode: PatchMode) -> None:
     """Make ``MessageQueue.enqueue`` behave as ``mode`` in this process; under ``testbed``, new
-    rings also reserve their pages (``reserve_ring``)."""
+    rings also reserve their pages (``reserve_ring``). Apply the arena's mode first (``arena.guard``)."""
     global _installed_enqueue, _installed_ring_init
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, ShmRingBuffer
 
@@ -366,10 +371,11 @@ def apply(mode: PatchMode) -> None:
     ShmRingBuffer.__init__ = (_ring_init(_installed_ring_init) if mode is PatchMode.TESTBED  # type: ignore[method-assign]
                               else _installed_ring_init)
     if mode is PatchMode.UPSTREAM:
-        MessageQueue.enqueue = _installed_enqueue  # type: ignore[method-assign]
-        return
-    policy = TESTBED_POLICY if mode is PatchMode.TESTBED else OFF_POLICY
-    MessageQueue.enqueue = make_enqueue(policy, _installed_enqueue)  # type: ignore[method-assign]
+        enqueue = _installed_enqueue
+    else:
+        enqueue = make_enqueue(TESTBED_POLICY if mode is PatchMode.TESTBED else OFF_POLICY)
+    # The arena's mode (applied before) may guard any enqueue against slots a failed one leaks.
+    MessageQueue.enqueue = arena.guard(enqueue)  # type: ignore[method-assign]
 
 
 def active_mode() -> PatchMode:

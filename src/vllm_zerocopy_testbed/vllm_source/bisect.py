@@ -29,7 +29,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_zerocopy_testbed.config import BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, REPO_ROOT
+from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, REPO_ROOT
 from vllm_zerocopy_testbed.vllm_source import Spec, VllmSourceError, prepare, releases
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -75,7 +75,7 @@ def run_test(spec: Spec, test: list[str], log: Path) -> Step:
     except VllmSourceError as exc:
         return Step(spec.value, SKIP, time.monotonic() - start, f"no overlay: {exc}")
     env = overlay.env()
-    for name in (BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV):
+    for name in (BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, ARENA_ENV):
         env[name] = "upstream"
     env.pop("TESTBED_VLLM", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *test]
