@@ -41,7 +41,7 @@ PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-q
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH, TESTBED_INFLIGHT = upstream | off | testbed (default)"
+	@echo "  Modes (environment): TESTBED_BROADCAST, TESTBED_DETACH, TESTBED_INFLIGHT, TESTBED_ARENA = upstream | off | testbed (default)"
 	@echo "  e.g. TESTBED_BROADCAST=off TESTBED_DETACH=off make test-component   # fix-off run: goes red"
 	@echo "  e2e profiles: make e2e EXECUTOR=\"v2 cgraph\" MODES=\"testbed upstream\"  (MODES=off: fix-off run)"
 	@echo "  Cluster for e2e: TESTBED_CLUSTER = compose (default) | local (no Docker) | external; knobs in compose/.env"
@@ -68,7 +68,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; ~15 min on 2
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...), report in reports/
 	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks: broadcast, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
+bench: $(E2E_DEPS) ## benchmarks: broadcast, shm tensor arena vs ring vs overflow vs memcpy, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)

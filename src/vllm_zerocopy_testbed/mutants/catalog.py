@@ -20,6 +20,7 @@ RAY_EXECUTOR = "vllm.v1.executor.ray_executor"
 BROADCAST = "vllm_zerocopy_testbed.patches.broadcast"
 DETACH = "vllm_zerocopy_testbed.patches.detach"
 INFLIGHT = "vllm_zerocopy_testbed.patches.inflight"
+ARENA = "vllm_zerocopy_testbed.patches.arena"
 
 MQ = "tests/component/test_message_queue.py"
 MQ_RING = "tests/component/test_message_queue_ring.py"
@@ -28,6 +29,7 @@ SEND = "tests/unit/test_broadcast_send.py"
 DETACH_UNIT = "tests/unit/test_detach.py"
 RAY_DETACH = "tests/component/test_ray_detach.py"
 DEADLOCK = "tests/component/test_cgraph_deadlock.py"
+TENSOR_ARENA = "tests/component/test_tensor_arena.py"
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "sample_tokens with non_block=True in both step functions (v1/engine/core.py), so the executor "
            "always returns a FutureWrapper, whose result() detaches (mutant future-skips-detach is killed)"),
     # --- the testbed's broadcast patch, run under `testbed` --------------------------------
+    # --- the testbed's arena patch, run under `testbed` -------------------------------------
+    Mutant("testbed-arena-maps-the-slot-shared", ARENA,
+           "flags=mmap.MAP_PRIVATE,",
+           "flags=mmap.MAP_SHARED,",
+           "the reader maps the slot shared (as vLLM's view does): one reader's write is every reader's",
+           (TENSOR_ARENA + "::test_a_reader_write_stays_its_own",), "testbed"),
+    Mutant("testbed-arena-keeps-failed-claims", ARENA,
+           "            free_unpublished(self, before)\n",
+           "",
+           "a failed enqueue's slots are not given back: each failure takes one of the 8 for good",
+           (TENSOR_ARENA + "::test_a_failed_enqueue_leaks_no_slot",), "testbed"),
+    Mutant("testbed-arena-queues-left-to-vllm", BROADCAST,
+           "        frames = serialize(obj, policy.zero_copy_tensors, getattr(self, \"tensor_arena\", None))\n",
+           "        if getattr(self, \"tensor_arena\", None) is not None:\n            return _installed_enqueue(self, obj, timeout)\n"
+           "        frames = serialize(obj, policy.zero_copy_tensors, getattr(self, \"tensor_arena\", None))\n",
+           "arena queues handed back to vLLM's enqueue (as before 2026-12-03): their overflow races again (53217)",
+           (MQ + "::test_mutating_after_enqueue_never_reaches_readers",), "testbed and arena"),
     Mutant("testbed-returns-before-release", BROADCAST,
            "TESTBED_POLICY = EnqueuePolicy(PatchMode.TESTBED, zero_copy_tensors=True, hold_until_sent=True)",
            "TESTBED_POLICY = EnqueuePolicy(PatchMode.TESTBED, zero_copy_tensors=True, hold_until_sent=False)",
