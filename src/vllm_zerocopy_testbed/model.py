@@ -41,6 +41,11 @@ class TinyModelSpec:
         return self.hidden_size // self.num_heads
 
 
+# The shm tensor arena's variant (tests/e2e/test_arena.py): 2048 prompt_embeds rows of 1024 fp32 are 8 MiB,
+# the arena's lower limit, within max-model-len; two layers keep a 2048-token prefill to seconds on one core.
+ARENA_SPEC = TinyModelSpec(hidden_size=1024, num_layers=2, num_heads=32, num_kv_heads=8, intermediate_size=1024,
+                           max_positions=4096)
+
 # The structured-output variant (/model-vocab256k in the node image): a grammar bitmask row is
 # vocab / 8 bytes, so 32 structured requests in one batch make a >= 1 MiB out-of-band buffer.
 LARGE_VOCAB = 262144
@@ -123,9 +128,12 @@ def build_weights(spec: TinyModelSpec, out: Path) -> None:
 
 def model_dir(spec: TinyModelSpec) -> Path:
     """Where the host keeps ``spec``'s build: ``DEFAULT_DIR`` for the default, a sibling per variant."""
-    if spec == TinyModelSpec():
+    default = TinyModelSpec()
+    if spec == default:
         return DEFAULT_DIR
-    return DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-vocab{spec.vocab_size}-pos{spec.max_positions}")
+    shape = "" if (spec.hidden_size, spec.num_layers) == (default.hidden_size, default.num_layers) else \
+        f"-h{spec.hidden_size}x{spec.num_layers}"
+    return DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-vocab{spec.vocab_size}-pos{spec.max_positions}{shape}")
 
 
 def checksum(directory: Path) -> str:

@@ -42,9 +42,16 @@ SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequen
                "structured", "across", "nemesis")
 
 
+# Suites with servers of their own on this host, run before any cluster is up (an idle cluster's
+# pinned ranks spin on both cores).
+FIRST = ("arena",)
+
+
 def _order(item: pytest.Item) -> tuple[int, int]:
     marker = item.get_closest_marker("suite")
     suite = marker.args[0] if marker else "smoke"
+    if suite in FIRST:
+        return (-1, FIRST.index(suite))
     callspec = getattr(item, "callspec", None)
     profile = callspec.params.get("profile") if callspec else None
     return (PROFILES.index(profile) if profile in PROFILES else len(PROFILES),

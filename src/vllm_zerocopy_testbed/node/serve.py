@@ -13,13 +13,18 @@ from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 _COMPILATION = '{"mode":2,"backend":"eager"}'
 
 
-def serve_argv(settings: ClusterSettings, host: str, port: int, *, single_process: bool = False) -> list[str]:
+def serve_argv(settings: ClusterSettings, host: str, port: int, *, single_process: bool = False,
+               local_tp: int | None = None) -> list[str]:
     """Return the argv that serves the model over Ray with the cluster's parallelism.
 
     ``single_process`` serves the same model with the same flags in one process
-    (PP=1, TP=1, no Ray): the e2e suites' reference.
+    (PP=1, TP=1, no Ray): the e2e suites' reference. ``local_tp`` serves it on this host
+    with vLLM's multiprocessing executor and that TP (PP=1): the shm tensor arena's home.
     """
-    if single_process:
+    if local_tp is not None:
+        parallel = ["--distributed-executor-backend", "mp", "--pipeline-parallel-size", "1",
+                    "--tensor-parallel-size", str(local_tp)]
+    elif single_process:
         parallel = ["--distributed-executor-backend", "uni", "--pipeline-parallel-size", "1",
                     "--tensor-parallel-size", "1"]
     else:

@@ -53,10 +53,9 @@ def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, mod
     start = time.monotonic()
     plain = {"model": model, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
     complete(url, plain, deadline)
-    from vllm_zerocopy_testbed.model import DEFAULT_DIR
     from vllm_zerocopy_testbed.workload.embeds import encode, rows_for, token_ids
 
-    rows = encode(rows_for(token_ids(8), model_dir=model_dir or DEFAULT_DIR))
+    rows = encode(rows_for(token_ids(8), directory=model_dir))
     complete(url, {**plain, "prompt": None, "prompt_embeds": rows}, deadline)
     if logprobs:
         complete(url, {**plain, "logprobs": 1}, deadline)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_zerocopy_testbed.model import DEFAULT_DIR, TinyModelSpec, build
+from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
 
 HIDDEN = TinyModelSpec.hidden_size
 # Bytes per row once the server has cast the rows to the model's dtype (fp32).
@@ -28,17 +28,20 @@ def token_ids(rows: int, seed: int = 0) -> list[int]:
 
 
 @functools.lru_cache(maxsize=2)
-def _embedding_table(model_dir: Path) -> torch.Tensor:
+def _embedding_table(directory: Path, spec: TinyModelSpec | None) -> torch.Tensor:
     from safetensors.torch import load_file
 
-    if model_dir == DEFAULT_DIR:
-        build(model_dir)  # the image's /model has the same bytes (deterministic builder)
-    return load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
+    if spec is not None:
+        build(directory, spec)  # the image's /model has the same bytes (deterministic builder)
+    return load_file(directory / "model.safetensors")["model.embed_tokens.weight"]
 
 
-def rows_for(ids: list[int], dtype: str = "float32", model_dir: Path = DEFAULT_DIR) -> torch.Tensor:
-    """Return the model's embedding rows for ``ids`` as ``[len(ids), hidden]`` in ``dtype``."""
-    return _embedding_table(model_dir)[ids].to(DTYPES[dtype]).clone()
+def rows_for(ids: list[int], dtype: str = "float32", spec: TinyModelSpec = TinyModelSpec(),
+             directory: Path | None = None) -> torch.Tensor:
+    """Return the embedding rows of ``spec``'s model (built here once), or of the model already in
+    ``directory`` (a node image's), for ``ids`` as ``[len(ids), hidden]`` in ``dtype``."""
+    table = _embedding_table(directory, None) if directory is not None else _embedding_table(model_dir(spec), spec)
+    return table[ids].to(DTYPES[dtype]).clone()
 
 
 def encode(tensor: torch.Tensor) -> str:

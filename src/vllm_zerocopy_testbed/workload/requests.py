@@ -15,25 +15,27 @@ from typing import Any
 
 import openai
 
+from vllm_zerocopy_testbed.model import TinyModelSpec
 from vllm_zerocopy_testbed.workload import embeds as embeds_mod
 
 
 @dataclass(frozen=True)
 class Embeds:
-    """A prompt_embeds tensor: the model's rows for ``ids``, sent in ``dtype``."""
+    """A prompt_embeds tensor: the rows of ``spec``'s model for ``ids``, sent in ``dtype``."""
 
     ids: tuple[int, ...]
     dtype: str = "float32"
+    spec: TinyModelSpec = TinyModelSpec()
 
     @property
     def wire_bytes(self) -> int:
         """Bytes of the tensor once the server has cast it to fp32 (what the transport carries)."""
-        return len(self.ids) * embeds_mod.WIRE_BYTES_PER_ROW
+        return len(self.ids) * self.spec.hidden_size * 4
 
 
 @functools.lru_cache(maxsize=64)
 def _encoded(part: Embeds) -> str:
-    return embeds_mod.encode(embeds_mod.rows_for(list(part.ids), part.dtype))
+    return embeds_mod.encode(embeds_mod.rows_for(list(part.ids), part.dtype, part.spec))
 
 
 @dataclass(frozen=True)
