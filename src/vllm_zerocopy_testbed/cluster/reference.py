@@ -24,7 +24,7 @@ PORT = 8021
 
 class ReferenceServer(Service):
     """One vLLM API server (PP=1, TP=1, no Ray) on 127.0.0.1; a context manager. With ``tp`` > 1,
-    vLLM's multiprocessing executor on this host instead (``LocalServer``)."""
+    vLLM's multiprocessing executor with that TP on this host (tests/e2e/test_arena.py)."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
                  spec: TinyModelSpec = TinyModelSpec(), port: int = PORT, tp: int = 1,
