@@ -56,10 +56,7 @@ def rebuild_private(arena_name: str, slot: int, nbytes: int, dtype_name: str, sh
     for release, as vLLM's own views are, once the tensor's storage is freed (the arena's
     ``_pending_release``, retired at the reader's next ``dequeue``)."""
     arena = _arena_module()._TENSOR_ARENAS[arena_name]
-    dtype = getattr(torch, dtype_name)
-    if nbytes == 0:
-        arena._pending_release.append(slot)
-        return torch.empty(shape, dtype=dtype)
+    dtype = getattr(torch, dtype_name)  # nbytes >= the arena's 8 MiB: never an empty mapping
     fd = os.open(os.path.join(SHM_DIR, arena_name.lstrip("/")), os.O_RDONLY)
     try:
         # slot_bytes (256 MiB) is a multiple of the page size, so every slot starts on a page
