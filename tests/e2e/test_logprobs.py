@@ -11,7 +11,8 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.config import Executor
-from live.suite import PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
+from vllm_zerocopy_testbed.known import E2E
+from live.suite import MODES_CHOSEN, PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
 from vllm_zerocopy_testbed.workload.requests import Record
@@ -117,12 +118,28 @@ def test_a_sequence_longer_than_the_channel_timeout_never_stalls(cluster: LiveCl
     judge(cluster, timeouts.check(records), bitexact.check(records, bitexact.first_answers(logprobs_run)))
 
 
+def restart_shown_across(profile) -> str | None:
+    """Name the profile of this run whose answers already show what a restart would: another one on
+    the same executor (a cluster start of its own, its logprobs compared bit for bit with ``profile``'s
+    by ``across``), not known to die at its first logprobs request; None if there is none."""
+    for other in PROFILES:
+        if other != profile and other.executor == profile.executor and (
+                MODES_CHOSEN or E2E["cgraph_logprobs"].reason_on(other) is None):
+            return str(other)
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.suite("restart")
 def test_answers_survive_a_restart(cluster: LiveCluster, profile, request: pytest.FixtureRequest) -> None:
-    """The same requests after the cluster went down and up again: bit-exact (first profile only)."""
+    """The same requests after the cluster went down and up again: bit-exact (first profile only,
+    and only where no other profile of the run shows it: issue 21, ~90 s a run)."""
     if profile != PROFILES[0]:
         pytest.skip("one restart per run (the first profile's)")
+    shown_by = restart_shown_across(profile)
+    if shown_by:
+        pytest.skip(f"{shown_by} answers the same logprobs requests on a cluster started afresh, compared bit "
+                    "for bit by the across suite")
     if not cluster.backend.owned:
         pytest.skip("an external cluster is never brought down")
     logprobs_run: list[Record] = request.getfixturevalue("logprobs_run")
