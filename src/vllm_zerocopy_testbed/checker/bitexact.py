@@ -63,6 +63,22 @@ def differences(a: Record, b: Record, tolerance: float = 0.0, *, tokens_only: bo
     return found
 
 
+def largest_gap(records: Iterable[Record], expected: dict[str, Record]) -> float:
+    """The largest |difference| of a sampled or top logprob between each record and its expected
+    answer, over tokens both gave (what a tolerance must cover; 0.0 when all are equal)."""
+    gap = 0.0
+    for record in records:
+        if record.key not in expected:
+            continue
+        for x, y in zip(expected[record.key].choices, record.choices):
+            for p, q in zip(x.get("token_logprobs") or [], y.get("token_logprobs") or []):
+                if p is not None and q is not None:
+                    gap = max(gap, abs(p - q))
+            for p, q in zip(x.get("top_logprobs") or [], y.get("top_logprobs") or []):
+                gap = max([gap, *(abs(p[k] - q[k]) for k in p.keys() & q.keys())])
+    return gap
+
+
 def check(records: Iterable[Record], expected: dict[str, Record], *, tolerance: float = 0.0,
           tokens_only: bool = False, name: str = "bit-exact") -> Verdict:
     """Compare every answered record with ``expected[record.key]``; fail on any difference."""
