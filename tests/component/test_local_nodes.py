@@ -24,24 +24,53 @@ pytestmark = [pytest.mark.component, pytest.mark.timeout(300)]
 # An actor on the node that advertises `probe`, printing its PID, then kept alive by the driver.
 _DRIVER = """
 import os, sys, time, ray
-ray.init(address=sys.argv[1], _node_ip_address="127.0.0.2", logging_level="ERROR")
+ray.init(address=sys.argv[1], _node_ip_address="127.0.0.2", logging_level="ERROR", log_to_driver=False)
 @ray.remote(num_cpus=0, resources={"probe": 1})
 class Probe:
     def pid(self): return os.getpid()
 probe = Probe.remote()
-print(ray.get(probe.pid.remote()), flush=True)
+print("probe pid", ray.get(probe.pid.remote()), flush=True)
 time.sleep(600)
 """
 
 
-@pytest.fixture
-def nodes():
-    cluster = LocalRayCluster([RayNodeSpec("127.0.0.2"), RayNodeSpec("127.0.0.3", resources={"probe": 1})],
-                              env=process_env(RAY_health_check_period_ms="2000", RAY_health_check_timeout_ms="4000",
-                                              RAY_health_check_failure_threshold="4"))
-    with cluster:
-        yield cluster
+@pytest.fixture(scope="module")
+def _cluster():
+    """The module's two nodes, replaced (below) after a test left one not running."""
+    holder: list[LocalRayCluster] = []
+    try:
+        yield holder
+    finally:
+        for cluster in holder:
+            _stop(cluster)
+
+
+def _stop(cluster: LocalRayCluster) -> None:
+    # A restarted node's `ray start` leader waited out the whole default grace (20 s, measured):
+    # what outlives a short one is killed by PID, and leftovers() checks that nothing survived.
+    cluster.stop(timeout=3.0)
     assert not cluster.leftovers(), cluster.leftovers()
+
+
+@pytest.fixture
+def nodes(_cluster: list[LocalRayCluster]):
+    """Two running nodes: the module's, unless a test killed, restarted or left one paused (a start
+    is ~20 s on 2 cores; one start serves the pause, signal and restart tests)."""
+    if _cluster and any(_cluster[0].node_state(i) != "running" for i in range(2)):
+        _stop(_cluster.pop())
+    if not _cluster:
+        cluster = LocalRayCluster([RayNodeSpec("127.0.0.2"), RayNodeSpec("127.0.0.3", resources={"probe": 1})],
+                                  env=process_env(RAY_health_check_period_ms="2000",
+                                                  RAY_health_check_timeout_ms="4000",
+                                                  RAY_health_check_failure_threshold="4"))
+        _cluster.append(cluster)
+        cluster.start()
+    leaders = [proc.pid for proc in _cluster[0]._procs]
+    yield _cluster[0]
+    if [proc.pid for proc in _cluster[0]._procs] != leaders:
+        # A restarted node: the GCS marks its old self dead only after the health checks miss it
+        # (seconds later), and until then places actors there (seen: the next probe cancelled).
+        _stop(_cluster.pop())
 
 
 @pytest.fixture
@@ -49,9 +78,15 @@ def probe(nodes: LocalRayCluster):
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, nodes.address], stdout=subprocess.PIPE, text=True,
                               env=nodes.env)
     try:
-        line = driver.stdout.readline() if driver.stdout else ""
-        assert line.strip().isdigit(), f"the probe actor did not start: {line!r}"
-        yield int(line)
+        # Ray may print to a driver's stdout too (a node that a restart replaced is marked dead a
+        # while later): the PID is the line that says it is; the test's timeout bounds the wait.
+        seen = []
+        for line in driver.stdout or ():
+            seen.append(line)
+            if line.startswith("probe pid "):
+                break
+        assert seen and seen[-1].startswith("probe pid "), f"the probe actor did not start: {seen!r}"
+        yield int(seen[-1].split()[-1])
     finally:
         driver.kill()
         driver.wait(10)
