@@ -56,8 +56,11 @@ def server():
     running.close()
 
 
-# A client checks the stop time, then sends: its request may start just after.
-SLACK_S = 0.05
+# A client checks the stop time, then sends: its request may start just after. In between the
+# runner builds its openai client (an SSL context: 39 ms on average, 54 ms at most on a quiet
+# 2-core machine; a CI run under load once took longer than a 0.05 s slack). A stream that
+# ignored the stop would keep starting requests until it is joined, seconds later.
+SLACK_S = 1.0
 SPECS = [CompletionSpec("a", prompt_ids=(1, 2, 3), max_tokens=1), CompletionSpec("b", prompt_ids=(4, 5), max_tokens=1)]
 
 
