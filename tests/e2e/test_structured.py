@@ -146,16 +146,20 @@ def test_the_grammar_bitmask_is_never_rewritten_while_zmq_holds_it(structured_cl
     for figures in timeline.summarize(timeline.events(logs)).values():
         REPORT.notes.append(f"{structured_cluster.profile} structured timeline: {timeline.describe(figures)}")
     verdict = timeline.check_no_overlap(logs, need_kind="sample_tokens")
-    _expect_race(structured_cluster, verdict, (RACE_SIGNATURE,), strict=True)
+    # The race itself (a frame written again while ZMQ held it) is the failure this test names:
+    # whether a rewritten frame also reaches a reader changed is timing (a fresh-clone CI run,
+    # 2026-12-03: 42 of 58 frames rewritten while held, none changed at a reader).
+    _expect_race(structured_cluster, verdict, (RACE_SIGNATURE,), strict=True, need_changed=False)
     judge(structured_cluster, verdict)
 
 
 def _expect_race(cluster: LiveCluster, verdict: Verdict, signatures: tuple[re.Pattern[str], ...], *,
-                 strict: bool) -> None:
+                 strict: bool, need_changed: bool = True) -> None:
     """Where the broadcast does not hold until ZMQ's release (``upstream``, ``off``; no mode named),
     the send race is the known failure (upstream PR 53217): expected only if every problem matches
-    one of ``signatures`` and the timeline saw a frame reach a reader changed; any other failure
-    stays red. ``strict``: a pass is red too (the slowed link reproduces the race every run).
+    one of ``signatures`` and (``need_changed``: for a failed or wrong answer, which only a changed
+    frame explains) the timeline saw a frame reach a reader changed; any other failure stays red.
+    ``strict``: a pass is red too (the slowed link reproduces the race every run).
     With modes named (``MODES=upstream``) nothing is expected: ``judge`` shows the corruption.
     """
     if MODES_CHOSEN or cluster.profile.broadcast is PatchMode.TESTBED:
@@ -168,6 +172,6 @@ def _expect_race(cluster: LiveCluster, verdict: Verdict, signatures: tuple[re.Pa
         return
     figures = timeline.check_no_overlap(cluster.backend.logs()).figures
     corrupt = sum(v for k, v in figures.items() if k.endswith(".corrupt"))
-    if corrupt and all(any(s.search(p) for s in signatures) for p in verdict.problems):
+    if (corrupt or not need_changed) and all(any(s.search(p) for s in signatures) for p in verdict.problems):
         pytest.xfail(f"upstream PR 53217: the grammar bitmask was rewritten while ZMQ sent it "
                      f"({corrupt} frame(s) reached the remote stage changed): {verdict}")
