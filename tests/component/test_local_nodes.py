@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec, ReusedCluster
 from vllm_zerocopy_testbed.cluster.process import is_stopped
 from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.waits import wait_until
@@ -36,41 +36,23 @@ time.sleep(600)
 
 @pytest.fixture(scope="module")
 def _cluster():
-    """The module's two nodes, replaced (below) after a test left one not running."""
-    holder: list[LocalRayCluster] = []
+    nodes = ReusedCluster([RayNodeSpec("127.0.0.2"), RayNodeSpec("127.0.0.3", resources={"probe": 1})],
+                          env=process_env(RAY_health_check_period_ms="2000", RAY_health_check_timeout_ms="4000",
+                                          RAY_health_check_failure_threshold="4"))
     try:
-        yield holder
+        yield nodes
     finally:
-        for cluster in holder:
-            _stop(cluster)
-
-
-def _stop(cluster: LocalRayCluster) -> None:
-    # A restarted node's `ray start` leader waited out the whole default grace (20 s, measured):
-    # what outlives a short one is killed by PID, and leftovers() checks that nothing survived.
-    cluster.stop(timeout=3.0)
-    assert not cluster.leftovers(), cluster.leftovers()
+        nodes.stop()
 
 
 @pytest.fixture
-def nodes(_cluster: list[LocalRayCluster]):
-    """Two running nodes: the module's, unless a test killed, restarted or left one paused (a start
-    is ~20 s on 2 cores; one start serves the pause, signal and restart tests)."""
-    if _cluster and any(_cluster[0].node_state(i) != "running" for i in range(2)):
-        _stop(_cluster.pop())
-    if not _cluster:
-        cluster = LocalRayCluster([RayNodeSpec("127.0.0.2"), RayNodeSpec("127.0.0.3", resources={"probe": 1})],
-                                  env=process_env(RAY_health_check_period_ms="2000",
-                                                  RAY_health_check_timeout_ms="4000",
-                                                  RAY_health_check_failure_threshold="4"))
-        _cluster.append(cluster)
-        cluster.start()
-    leaders = [proc.pid for proc in _cluster[0]._procs]
-    yield _cluster[0]
-    if [proc.pid for proc in _cluster[0]._procs] != leaders:
-        # A restarted node: the GCS marks its old self dead only after the health checks miss it
-        # (seconds later), and until then places actors there (seen: the next probe cancelled).
-        _stop(_cluster.pop())
+def nodes(_cluster: ReusedCluster):
+    """Two running nodes: one start serves the pause, signal and restart tests; a killed or
+    restarted node gets the next test a fresh cluster."""
+    cluster = _cluster.get()
+    leaders = [proc.pid for proc in cluster._procs]
+    yield cluster
+    _cluster.spent = [proc.pid for proc in cluster._procs] != leaders  # a node was restarted
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
+from vllm_zerocopy_testbed.cluster.local_ray import RayNodeSpec, ReusedCluster
 from vllm_zerocopy_testbed.config import PatchMode
 
 # vLLM's FutureWrapper and detach live in its compiled-graph executor: gone since 0.33.0.
@@ -28,37 +28,9 @@ STEP_TIMEOUT_S = 5  # the short RAY_CGRAPH_get_timeout a stall runs into
 REMOTE = "testbed_node1"
 
 
-class _Nodes:
-    """The module's two-node cluster, started on demand, stopped after a driver that did not finish."""
-
-    def __init__(self) -> None:
-        self.cluster: LocalRayCluster | None = None
-        self.spent = False  # a driver stalled or printed nothing: the next test needs a fresh cluster
-
-    def get(self) -> LocalRayCluster:
-        if self.cluster is not None and any(self.cluster.node_state(i) != "running" for i in range(2)):
-            self.stop()
-        if self.cluster is None:
-            nodes = [RayNodeSpec("127.0.0.3"), RayNodeSpec("127.0.0.2", resources={REMOTE: 1})]
-            self.cluster = LocalRayCluster(nodes)
-            self.cluster.start()
-        self.spent = False
-        return self.cluster
-
-    def stop(self) -> None:
-        cluster, self.cluster = self.cluster, None
-        if cluster is not None:
-            # After a stall `ray start`'s leader waited out the whole grace (16 s a test, measured) for
-            # a crashed raylet; what outlives a short one is killed, and leftovers() checks for all of it.
-            cluster.stop(timeout=3.0)
-            # Hygiene: no process of our Ray session and no /dev/shm file of it survives stop(),
-            # also after a stall crashed a raylet.
-            assert not cluster.leftovers(), cluster.leftovers()
-
-
 @pytest.fixture(scope="module")
 def _nodes():
-    nodes = _Nodes()
+    nodes = ReusedCluster([RayNodeSpec("127.0.0.3"), RayNodeSpec("127.0.0.2", resources={REMOTE: 1})])
     try:
         yield nodes
     finally:
@@ -66,14 +38,12 @@ def _nodes():
 
 
 @pytest.fixture
-def two_nodes(_nodes: _Nodes):
+def two_nodes(_nodes: ReusedCluster):
     _nodes.get()
     yield _nodes
-    if _nodes.spent:
-        _nodes.stop()
 
 
-def _drive(nodes: _Nodes, mode: PatchMode, *extra: str) -> list[dict]:
+def _drive(nodes: ReusedCluster, mode: PatchMode, *extra: str) -> list[dict]:
     """Run the driver against ``nodes``' cluster; mark it spent unless every step completed."""
     assert nodes.cluster is not None
     env = dict(os.environ, RAY_CGRAPH_teardown_timeout="10", RAY_CGRAPH_get_timeout=str(STEP_TIMEOUT_S))
