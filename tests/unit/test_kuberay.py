@@ -76,3 +76,16 @@ def test_the_raycluster_runs_the_testbed_scripts_with_the_compose_settings(profi
     assert worker_env["TESTBED_HEAD_HOST"] == f"{manifest['metadata']['name']}-head-svc"
     if profile == "gpu":
         assert head["resources"]["limits"]["nvidia.com/gpu"] == services["head"]["environment"]["TESTBED_GPUS_PER_NODE"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_head_probes_keep_the_compose_healthcheck_timing(profile: str) -> None:
+    """Kubernetes checks as often, gives up after as many misses, and waits for a first start as
+    long as compose does (interval 2s x 7 retries, start_period 600 s)."""
+    head = yaml.safe_load(path_for(profile).read_text())["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    check = compose_services(profile)["head"]["healthcheck"]
+    ready, startup = head["readinessProbe"], head["startupProbe"]
+    assert f"{ready['periodSeconds']}s" == check["interval"]
+    assert ready["failureThreshold"] == int(check["retries"])
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 15  # a stalled head leaves within ~15 s
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600 == 60 * int(check["start_period"].split("m")[0])

@@ -106,7 +106,7 @@ class ComposeCluster(Cluster):
             return f"{', '.join(sorted(gone))} exited: {', '.join(states[n] for n in sorted(gone))}" if gone else None
 
         try:
-            wait_until("cluster healthy", lambda: not self.unhealthy(), timeout=self.up_timeout, poll_s=5,
+            wait_until("cluster healthy", lambda: not self.unhealthy(), timeout=self.up_timeout, poll_s=1,
                        abort=exited_for_good, progress=self._start_progress, announce=logger.info,
                        log_tail=lambda: self.logs(tail=60))
         except (WaitTimeout, WaitAborted) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,19 @@ def _probe(service: dict[str, Any]) -> dict[str, Any]:
     """The service's compose healthcheck as a Kubernetes exec probe (head: warmed up and answering)."""
     kind, *test = service["healthcheck"]["test"]
     command = ["sh", "-c", test[0]] if kind == "CMD-SHELL" else test
-    return {"exec": {"command": command}, "periodSeconds": 5, "timeoutSeconds": 5,
-            "failureThreshold": int(service["healthcheck"].get("retries", 3))}
+    check = service["healthcheck"]
+    return {"exec": {"command": command}, "periodSeconds": _seconds(check.get("interval", "5s")),
+            "timeoutSeconds": _seconds(check.get("timeout", "5s")),
+            "failureThreshold": int(check.get("retries", 3))}
+
+
+def _seconds(duration: str) -> int:
+    """A compose duration of whole seconds as ``docker-compose config`` writes it (``2s``, ``10m0s``)."""
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration or "")
+    if not duration or match is None:
+        raise ValueError(f"compose duration {duration!r}: expected whole hours, minutes, seconds (2s, 10m0s)")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def render(profile: str) -> dict[str, Any]:
@@ -79,7 +91,10 @@ def render(profile: str) -> dict[str, Any]:
     head_container = _container("ray-head", head, "testbed-head", gpus, {})
     head_container["ports"] = [{"name": n, "containerPort": p} for n, p in HEAD_PORTS.items()]
     head_container["readinessProbe"] = _probe(head)
-    head_container["startupProbe"] = {**head_container["readinessProbe"], "failureThreshold": 120}
+    # As compose's start_period: the first start may take that long (a cold compile cache).
+    probe = head_container["readinessProbe"]
+    start_s = _seconds(head["healthcheck"].get("start_period", "600s"))
+    head_container["startupProbe"] = {**probe, "failureThreshold": -(-start_s // probe["periodSeconds"])}
     # The worker script finds the head by name: KubeRay's head service.
     worker_container = _container("ray-worker", worker, "testbed-worker", gpus,
                                   {"TESTBED_HEAD_HOST": f"{name}-head-svc"})

@@ -10,10 +10,15 @@ from typing import Callable, Mapping
 from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.waits import wait_until
 
+# The GCS's node table, read by a plain GCS client: a driver (``ray.init``) would start a core
+# worker and cost ~1 s more of the head's one core on every poll while vLLM starts beside it.
 _PROBE = (
-    "import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
-    "print(sum(1 for n in ray.nodes() if n['Alive']))"
+    "import sys; from ray._raylet import GcsClient; from ray.core.generated.gcs_pb2 import GcsNodeInfo;"
+    "nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=10);"
+    "print(sum(1 for n in nodes.values() if n.state == GcsNodeInfo.ALIVE))"
 )
+# A GCS that does not answer: the client gives up after this, not Ray's 20-60 s.
+_PROBE_ENV = {"RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
 
 
 def alive_nodes(address: str, env: Mapping[str, str] | None = None) -> int:
@@ -24,7 +29,7 @@ def alive_nodes(address: str, env: Mapping[str, str] | None = None) -> int:
     try:
         out = subprocess.run(
             [sys.executable, "-c", _PROBE, address],
-            env=process_env() if env is None else dict(env),
+            env={**(process_env() if env is None else dict(env)), **_PROBE_ENV},
             capture_output=True,
             timeout=30,
             text=True,
@@ -55,7 +60,7 @@ def wait_for_nodes(
         return seen if seen >= count else 0
 
     return wait_until(f"{count} Ray nodes alive at {address}", enough, timeout=timeout, abort=abort,
-                      progress=lambda: f"{seen} of {count} alive")
+                      progress=lambda: f"{seen} of {count} alive", poll_s=0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,7 +49,7 @@ def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, mod
     must be the ones to show that.
     """
     deadline = time.monotonic() + timeout
-    wait_until(f"{url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=2)
+    wait_until(f"{url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=0.5)
     start = time.monotonic()
     plain = {"model": model, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
     complete(url, plain, deadline)
