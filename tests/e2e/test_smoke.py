@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from openai import OpenAI
+from openai import OpenAI, OpenAIError
 
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
@@ -27,20 +27,33 @@ def _embeds_of(prompt: str) -> tuple[list[int], str]:
     return ids, encode(rows_for(ids))
 
 
+def _create(cluster, client: OpenAI, **request):
+    """One completion; a failed one fails the test quoting why the server failed it (the engine's death
+    on cgraph/upstream when this is a run's first logprobs request: ``make test-smoke``), as a
+    workload's failed request does, so that a known failure matches only its own cause."""
+    try:
+        return client.completions.create(**request)
+    except OpenAIError as exc:
+        if not cluster.healthy():
+            cluster.dead = f"the engine died in suite 'smoke' ({type(exc).__name__}: {exc}); server log: {cluster.evidence(3)}"
+            pytest.fail(cluster.dead)
+        pytest.fail(f"{type(exc).__name__}: {exc}; server log: {cluster.evidence(3)}")
+
+
 @pytest.mark.known("cgraph_logprobs")
 def test_logprobs_and_prompt_embeds_answer_the_same(cluster) -> None:
     if cluster.dead:
         pytest.fail(f"not run: {cluster.dead}")
     client = OpenAI(base_url=cluster.backend.base_url, api_key="testbed", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     model = cluster.settings["TESTBED_SERVED_MODEL"]
-    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5)
+    by_text = _create(cluster, client, model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5)
     choice = by_text.choices[0]
     assert len(choice.logprobs.tokens) == 8
     assert all(len(top) == 5 for top in choice.logprobs.top_logprobs), "5 logprobs per position"
 
     _, embeds = _embeds_of(PROMPT)
-    by_embeds = client.completions.create(model=model, prompt=None, max_tokens=8, temperature=0, logprobs=5,
-                                          extra_body={"prompt_embeds": embeds})
+    by_embeds = _create(cluster, client, model=model, prompt=None, max_tokens=8, temperature=0, logprobs=5,
+                        extra_body={"prompt_embeds": embeds})
     assert by_embeds.choices[0].logprobs.tokens == choice.logprobs.tokens
     assert by_embeds.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
 
