@@ -490,3 +490,17 @@ def base_image(env: Mapping[str, str] | None = None) -> str:
     """The node image's base (``BASE_IMAGE``): built here unless a public one is named."""
     env = os.environ if env is None else env
     return env.get("BASE_IMAGE", LOCAL_BASE_IMAGE) or LOCAL_BASE_IMAGE
+
+
+def parse_duration(text: str, name: str = "DURATION") -> float:
+    """``30m``, ``45s``, ``2h``, ``1h30m`` (and compose's ``10m0s``) -> seconds; a clear error naming
+    ``name`` for anything else (a bare number is refused: seconds or minutes is what one gets wrong)."""
+    raw = text.strip().lower()
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", raw)
+    if not raw or parts is None or not any(parts.groups()):
+        raise ValueError(f"{name}={text!r}: use a number with a unit: 90s, 30m, 2h or 1h30m")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in parts.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ValueError(f"{name}={text!r} must be longer than zero")
+    return total

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.config import ClusterSettings, parse_duration
 from vllm_zerocopy_testbed.soak import analysis, report
 from vllm_zerocopy_testbed.soak.__main__ import workload
 from vllm_zerocopy_testbed.soak.analysis import Sample
@@ -76,13 +76,13 @@ def test_a_structured_answer_outside_its_grammar_fails_and_a_cut_one_is_not_judg
 
 @pytest.mark.parametrize("text, seconds", [("30m", 1800), ("90s", 90), ("2h", 7200), ("1h30m", 5400), (" 1.5m", 90)])
 def test_durations_need_a_unit(text: str, seconds: float) -> None:
-    assert analysis.parse_duration(text) == seconds
+    assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["30", "", "m", "30 minutes", "0m", "-5m"])
 def test_a_bad_duration_says_how_to_write_one(text: str) -> None:
     with pytest.raises(ValueError, match="DURATION="):
-        analysis.parse_duration(text)
+        parse_duration(text)
 
 
 def test_the_workload_mixes_every_kind_and_transport_size() -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, parse_duration
 
 DEPLOY_DIR = REPO_ROOT / "deploy" / "kuberay"
 RAY_VERSION = "2.60.0"
@@ -71,12 +70,8 @@ def _probe(service: dict[str, Any]) -> dict[str, Any]:
 
 
 def _seconds(duration: str) -> int:
-    """A compose duration of whole seconds as ``docker-compose config`` writes it (``2s``, ``10m0s``)."""
-    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration or "")
-    if not duration or match is None:
-        raise ValueError(f"compose duration {duration!r}: expected whole hours, minutes, seconds (2s, 10m0s)")
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return hours * 3600 + minutes * 60 + seconds
+    """A compose duration (``2s``, ``10m0s``, as ``docker-compose config`` writes it) in whole seconds."""
+    return round(parse_duration(duration, name="compose duration"))
 
 
 def render(profile: str) -> dict[str, Any]:

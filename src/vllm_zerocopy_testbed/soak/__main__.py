@@ -28,7 +28,7 @@ from vllm_zerocopy_testbed.vllm_source import running
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, E2ERun
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, E2ERun, parse_duration
 from vllm_zerocopy_testbed.soak import analysis, report
 from vllm_zerocopy_testbed.soak.analysis import Sample
 from vllm_zerocopy_testbed.workload import catalog
@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        duration_s = analysis.parse_duration(args.duration)
-        sample_s = analysis.parse_duration(args.sample)
-        warmup_s = (analysis.parse_duration(args.warmup) if args.warmup is not None
+        duration_s = parse_duration(args.duration)
+        sample_s = parse_duration(args.sample)
+        warmup_s = (parse_duration(args.warmup) if args.warmup is not None
                     else min(600.0, max(120.0, duration_s / 6)))
     except ValueError as exc:
         parser.error(str(exc))

@@ -217,17 +217,3 @@ class Verdicts:
     @property
     def ok(self) -> bool:
         return all(v.ok for v in self.items)
-
-
-def parse_duration(text: str) -> float:
-    """``30m``, ``45s``, ``2h``, ``1h30m`` -> seconds; a clear error for anything else (a bare
-    number is refused: seconds or minutes is exactly what one gets wrong)."""
-    raw = text.strip().lower()
-    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", raw)
-    if not raw or parts is None or not any(parts.groups()):
-        raise ValueError(f"DURATION={text!r}: use a number with a unit: 90s, 30m, 2h or 1h30m")
-    hours, minutes, seconds = (float(g) if g else 0.0 for g in parts.groups())
-    total = hours * 3600 + minutes * 60 + seconds
-    if total <= 0:
-        raise ValueError(f"DURATION={text!r} must be longer than zero")
-    return total
