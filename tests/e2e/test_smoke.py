@@ -34,10 +34,8 @@ def _create(cluster, client: OpenAI, **request):
     try:
         return client.completions.create(**request)
     except OpenAIError as exc:
-        if not cluster.healthy():
-            cluster.dead = f"the engine died in suite 'smoke' ({type(exc).__name__}: {exc}); server log: {cluster.evidence(3)}"
-            pytest.fail(cluster.dead)
-        pytest.fail(f"{type(exc).__name__}: {exc}; server log: {cluster.evidence(3)}")
+        what = f"{type(exc).__name__}: {exc}"
+        pytest.fail(cluster.died("smoke", what) or f"{what}; server log: {cluster.evidence(3)}")
 
 
 @pytest.mark.known("cgraph_logprobs")

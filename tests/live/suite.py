@@ -81,13 +81,19 @@ class LiveCluster:
         else:
             records = runner.run(suite, specs, concurrency=concurrency,
                                  paired=paired.runner if paired is not None else None)
-        if any(not r.ok for r in records) and not self.healthy():
-            first = next(r for r in records if not r.ok)
-            # The cause goes with the death: later tests fail quoting it, and a known failure
-            # (known.E2E) matches them only if that cause is the one it names.
-            self.dead = (f"the engine died in suite {suite!r} ({first.key}: {first.error}); "
-                         f"server log: {self.evidence(3)}")
+        failed = next((r for r in records if not r.ok), None)
+        if failed is not None:
+            self.died(suite, f"{failed.key}: {failed.error}")
         return records
+
+    def died(self, suite: str, what: str) -> str | None:
+        """After a failed request of ``suite`` (``what``): if the server no longer answers, note the
+        engine's death, which later tests fail fast quoting, and return it. The cause goes with the
+        death, so a known failure (known.E2E) matches them only if that cause is the one it names."""
+        if self.healthy():
+            return None
+        self.dead = f"the engine died in suite {suite!r} ({what}); server log: {self.evidence(3)}"
+        return self.dead
 
     def run_staggered(self, suite: str, specs: list[CompletionSpec], *, clients: int,
                       seconds: float) -> list[Record]:
