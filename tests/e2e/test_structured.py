@@ -49,9 +49,12 @@ STRUCTURED_SETTINGS = {"TESTBED_MODEL": "/model-vocab256k", "TESTBED_MAX_NUM_SEQ
                        "TESTBED_MAX_MODEL_LEN": "512", "TESTBED_MQ_TIMELINE": "1"}
 SPEC = TinyModelSpec(vocab_size=LARGE_VOCAB)
 # Closed loop: each client sends its next request as soon as it has an answer, so both
-# batches of the pipeline stay full (~48 rows, ~1.5 MiB each).
+# batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs: the first 96 start
+# together, the rest as they finish. 256 took ~100 s a profile, and the race showed from the
+# first refilled step on (v2/upstream, 2026-12-03: 45 of 45 out-of-band frames written again
+# while ZMQ held them, the first failed request sent 24 s into the run; the 97th sent at 17-20 s).
 CLIENTS = 96
-SPECS = structured_specs(256, prompt_tokens=(2, 6))
+SPECS = structured_specs(128, prompt_tokens=(2, 6))
 # The head's outgoing link while the clients run: a bitmask transfer outlasts a step.
 LINK_MBIT = 16
 # The send race's own words in the timeline checker (checker/timeline.py).
