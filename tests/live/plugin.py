@@ -11,6 +11,11 @@ and left up; one the session started is always brought down, also on failure.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
+
 from typing import Iterator
 
 import pytest
@@ -28,6 +33,45 @@ from live.suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
                        Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
+
+
+class _Progress(logging.Handler):
+    """The testbed's own INFO lines (a server or cluster starting, up, down; each workload sent and
+    answered; what a long start waits for, every 15 s) on the terminal as they happen, with the
+    time since the session began: pytest would otherwise hold them until a test fails, and a run
+    of 20 minutes said nothing for minutes on end (issue 21). Written as pytest's own live log
+    is, with capture suspended; called from the main thread only."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        super().__init__(logging.INFO)
+        self.config = config
+        self.started = time.monotonic()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None or threading.current_thread() is not threading.main_thread():
+            return
+        seconds = int(time.monotonic() - self.started)
+        try:
+            line = f"[{seconds // 60:02d}:{seconds % 60:02d}] {record.getMessage()}"
+            with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+                reporter.write_line(line)
+        except Exception:  # a progress line must never fail the run
+            self.handleError(record)
+
+
+PROGRESS_LOGGER = "vllm_zerocopy_testbed"
+
+
+def _show_progress(config: pytest.Config) -> None:
+    """Once, for a session that runs live suites (not for unit and component runs)."""
+    package = logging.getLogger(PROGRESS_LOGGER)
+    if any(isinstance(h, _Progress) for h in package.handlers):
+        return
+    package.addHandler(_Progress(config))
+    if package.getEffectiveLevel() > logging.INFO:
+        package.setLevel(logging.INFO)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -59,10 +103,13 @@ def _order(item: pytest.Item) -> tuple[int, int]:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         _mark_known_failures(item)
     items.sort(key=_order)
+    # Last of the hooks: `-m`/`-k` have deselected what does not run.
+    if any(item.get_closest_marker("suite") for item in items):
+        _show_progress(config)
 
 
 def _mark_known_failures(item: pytest.Item) -> None:

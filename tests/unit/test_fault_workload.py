@@ -7,6 +7,8 @@ nemesis stops and continues with signals.
 
 from __future__ import annotations
 
+import logging
+import re
 import signal
 import subprocess
 import threading
@@ -232,3 +234,22 @@ def test_each_backend_says_which_nemeses_it_can_run() -> None:
                                                                          "fill-head-shm"]
     assert "share this machine's /dev/shm" in nemeses.by_name("fill-worker-shm").cannot(local)
     assert all(n.cannot(external) for n in nemeses.NEMESES), "an external cluster is never hurt"
+
+
+def test_a_run_says_what_it_sends_and_how_it_ended(server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    """The progress lines `make e2e` shows as they happen (issue 21): what is sent, then the answers,
+    the seconds and how many were not ok, for each way of running."""
+    runner = _runner(server, History())
+    with caplog.at_level(logging.INFO, logger="vllm_zerocopy_testbed.workload.runner"):
+        runner.run("plain", SPECS, concurrency=2)
+        server.answering = False
+        runner.run("logprobs", SPECS)
+        runner.run_for("sequential", SPECS, seconds=0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "p plain: sending 2 request(s), 2 at a time"
+    assert re.fullmatch(r"p plain: 2 answer\(s\) in \d+ s", lines[1]), lines
+    assert lines[2] == "p logprobs: sending 2 request(s), 1 at a time"
+    assert re.fullmatch(r"p logprobs: 2 answer\(s\) in \d+ s, 2 not ok", lines[3]), lines
+    assert lines[4] == "p sequential: sending one request at a time for 0 s"
+    assert re.fullmatch(r"p sequential: 1 answer\(s\) in \d+ s, 1 not ok", lines[5]), lines
+    assert len(lines) == 6, lines

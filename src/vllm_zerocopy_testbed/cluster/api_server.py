@@ -8,6 +8,7 @@ bounded wait for ``/health`` that ends early when the server exits, the same sto
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
 from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
+
+logger = logging.getLogger(__name__)
 
 
 class ApiServerProcess:
@@ -46,7 +49,7 @@ class ApiServerProcess:
 
         try:
             wait_until(f"{self.name} {url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=poll_s,
-                       abort=exited, log_tail=lambda: self.logs(60))
+                       abort=exited, log_tail=lambda: self.logs(60), announce=logger.info)
         except (WaitAborted, WaitTimeout) as exc:
             raise ClusterStartError(str(exc)) from None
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement
 from vllm_zerocopy_testbed.config import ClusterSettings
+
+
+logger = logging.getLogger(__name__)
 
 
 class ClusterStartError(RuntimeError):
@@ -34,16 +39,28 @@ class Service(ABC):
         """Return what was left behind after ``down`` (containers, networks, processes, shm files)."""
         return []
 
+    @property
+    def label(self) -> str:
+        """What this is, in the progress lines (``make e2e`` shows them as they happen)."""
+        return type(self).__name__
+
     def __enter__(self) -> "Service":
+        logger.info("%s: starting", self.label)
+        start = time.monotonic()
         try:
             self.up()
         except BaseException:
+            logger.info("%s: did not start (%.0f s); bringing down what started", self.label,
+                        time.monotonic() - start)
             self.down()
             raise
+        logger.info("%s: up in %.0f s", self.label, time.monotonic() - start)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        start = time.monotonic()
         self.down()
+        logger.info("%s: down in %.0f s", self.label, time.monotonic() - start)
 
 
 class Cluster(Service):
@@ -53,6 +70,14 @@ class Cluster(Service):
     # Whether the suites may bring this cluster down and up (restart suite, nemeses, a cluster
     # of their own): false for a cluster they only observe (``TESTBED_CLUSTER=external``).
     owned: bool = True
+
+    @property
+    def label(self) -> str:
+        """``compose cluster (cgraph, broadcast upstream, detach upstream, /model)``: the settings a profile changes."""
+        values = self.settings.values
+        kind = type(self).__name__.removesuffix("Cluster").lower() or "a"
+        return (f"{kind} cluster ({values.get('TESTBED_EXECUTOR', 'v2')}, broadcast {values.get('TESTBED_BROADCAST', '?')}, "
+                f"detach {values.get('TESTBED_DETACH', '?')}, {values.get('TESTBED_MODEL', '?')})")
 
     @property
     @abstractmethod

@@ -45,6 +45,10 @@ class ReferenceServer(Service):
     def base_url(self) -> str:
         return f"http://{HOST}:{self.port}/v1"
 
+    @property
+    def label(self) -> str:
+        return f"{self._server.name} (:{self.port})"
+
     def up(self) -> float:
         """Start the server, wait (bounded) for ``/health`` and one warm-up answer; return seconds."""
         start = time.monotonic()

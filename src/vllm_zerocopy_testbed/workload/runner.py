@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import random
 import threading
 import time
@@ -15,6 +16,21 @@ import httpx
 import openai
 
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record, send
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _announced(profile: str, suite: str, what: str, records: list[Record]):
+    """Progress lines around a run: what it sends, then how long it took and how many failed."""
+    logger.info("%s %s: sending %s", profile, suite, what)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        failed = sum(not r.ok for r in records)
+        logger.info("%s %s: %d answer(s) in %.0f s%s", profile, suite, len(records), time.monotonic() - start,
+                    f", {failed} not ok" if failed else "")
 
 
 @dataclass
@@ -64,15 +80,17 @@ class Runner:
                 record.reference_latency_s = before.latency_s
             return self.history.add(record)
 
-        if concurrency <= 1:
-            records = []
-            for spec in specs:
-                records.append(one(spec))
-                if records[-1].status == "timeout":
-                    break  # a hung server answers nothing after it; the checker reports the hang
-            return records
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(one, specs))
+        records: list[Record] = []
+        with _announced(self.profile, suite, f"{len(specs)} request(s), {max(1, concurrency)} at a time", records):
+            if concurrency <= 1:
+                for spec in specs:
+                    records.append(one(spec))
+                    if records[-1].status == "timeout":
+                        break  # a hung server answers nothing after it; the checker reports the hang
+            else:
+                with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                    records.extend(pool.map(one, specs))
+        return records
 
     def run_staggered(self, suite: str, specs: Iterable[CompletionSpec], *, clients: int, seconds: float,
                       max_pause_s: float = 0.4) -> list[Record]:
@@ -95,8 +113,9 @@ class Runner:
                 with lock:
                     records.append(record)
 
-        with ThreadPoolExecutor(max_workers=clients) as pool:
-            list(pool.map(loop, range(clients)))
+        with _announced(self.profile, suite, f"for {seconds:.0f} s from {clients} clients", records):
+            with ThreadPoolExecutor(max_workers=clients) as pool:
+                list(pool.map(loop, range(clients)))
         return records
 
     def run_for(self, suite: str, specs: Iterable[CompletionSpec], seconds: float) -> list[Record]:
@@ -104,11 +123,12 @@ class Runner:
         client = self._client()
         deadline = time.monotonic() + seconds
         records: list[Record] = []
-        for spec in itertools.cycle(list(specs)):
-            if time.monotonic() >= deadline:
-                break
-            records.append(self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
-                                                 timeout=self.timeout_s)))
-            if not records[-1].ok:
-                break
+        with _announced(self.profile, suite, f"one request at a time for {seconds:.0f} s", records):
+            for spec in itertools.cycle(list(specs)):
+                if time.monotonic() >= deadline:
+                    break
+                records.append(self.history.add(send(client, self.model, spec, suite=suite, profile=self.profile,
+                                                     timeout=self.timeout_s)))
+                if not records[-1].ok:
+                    break
         return records
