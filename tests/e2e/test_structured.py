@@ -26,7 +26,9 @@ this run did not start.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from typing import Iterator
 
 import pytest
@@ -43,6 +45,8 @@ from vllm_zerocopy_testbed.workload.requests import Record
 from vllm_zerocopy_testbed.workload.runner import Runner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.suite("structured"), pytest.mark.timeout(1800)]
+# A progress line on the terminal as it happens (live/plugin.py shows the package's INFO lines).
+PROGRESS = logging.getLogger("vllm_zerocopy_testbed.e2e")
 
 # The variant in the node image, and what makes two batches of >= 32 rows likely.
 STRUCTURED_SETTINGS = {"TESTBED_MODEL": "/model-vocab256k", "TESTBED_MAX_NUM_SEQS": "128",
@@ -94,7 +98,10 @@ def structured_cluster(profile: Profile, request: pytest.FixtureRequest) -> Iter
     if backend.is_running():
         if str(profile) not in STARTED_BY_RUN:
             pytest.skip("a cluster this run did not start is up (`make up`?): the suite needs one of its own")
+        started = time.monotonic()
         backend.down()  # this run's cluster for the profile, done with its other suites
+        PROGRESS.info("%s: its cluster down in %.0f s, for the structured suite's own", profile,
+                      time.monotonic() - started)
     request.getfixturevalue("structured_reference")  # on a quiet machine, before the cluster
     with backend as running:
         yield LiveCluster(running, profile)

@@ -46,6 +46,8 @@ class ShmSnapshot:
             try:
                 (SHM_DIR / name).unlink()
                 removed.append(name)
+            except FileNotFoundError:
+                pass  # its owner removed it between the listing and here: nothing left
             except OSError as exc:
                 logger.warning("could not remove /dev/shm/%s: %s", name, exc)
         if removed:
