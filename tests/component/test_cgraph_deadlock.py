@@ -24,7 +24,9 @@ from vllm_zerocopy_testbed.harness import cgraph_deadlock
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
 
-GET_TIMEOUT_S = 10
+# The deadlocking runs wait this out (three of them per test-core run); a healthy step takes
+# ~1 s (rank 1's lag), and the actors' first call has a bound of its own (WARMUP_TIMEOUT_S).
+GET_TIMEOUT_S = 5
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
