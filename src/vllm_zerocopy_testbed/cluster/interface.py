@@ -46,15 +46,13 @@ class Service(ABC):
 
     def __enter__(self) -> "Service":
         logger.info("%s: starting", self.label)
-        start = time.monotonic()
         try:
-            self.up()
+            seconds = self.up()
         except BaseException:
-            logger.info("%s: did not start (%.0f s); bringing down what started", self.label,
-                        time.monotonic() - start)
+            logger.info("%s: did not start; bringing down what started", self.label)
             self.down()
             raise
-        logger.info("%s: up in %.0f s", self.label, time.monotonic() - start)
+        logger.info("%s: up in %.0f s", self.label, seconds)
         return self
 
     def __exit__(self, *exc: object) -> None:
