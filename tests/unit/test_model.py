@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from vllm_zerocopy_testbed.model import TinyModelSpec, build, checksum
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.model import IMAGE_MODELS, LARGE_VOCAB, TinyModelSpec, build, checksum, spec_for
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -29,3 +31,16 @@ def test_tokenizer_round_trips_text(tmp_path) -> None:
     text = "Pipeline parallel stages pass hidden states."
     ids = tokenizer(text)["input_ids"]
     assert max(ids) < 512 and tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_the_host_serves_the_variant_the_node_image_has_at_each_path() -> None:
+    """The reference and the local backend build what ``TESTBED_MODEL`` names in the node image: the
+    Dockerfile's ``model --out PATH [--vocab-size N]`` lines and ``IMAGE_MODELS`` list the same variants."""
+    dockerfile = (REPO_ROOT / "images" / "node" / "Dockerfile").read_text()
+    built = {m["path"]: TinyModelSpec(vocab_size=int(m["vocab"] or TinyModelSpec.vocab_size))
+             for m in re.finditer(r"vllm_zerocopy_testbed\.model --out (?P<path>\S+)(?: --vocab-size (?P<vocab>\d+))?",
+                                  dockerfile)}
+    assert built == IMAGE_MODELS
+    assert spec_for("/model-vocab256k") == TinyModelSpec(vocab_size=LARGE_VOCAB)
+    assert spec_for("/model/") == spec_for("/model") == TinyModelSpec()
+    assert spec_for("/somewhere/else") == TinyModelSpec()  # what a host server always served

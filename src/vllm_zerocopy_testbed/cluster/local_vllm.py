@@ -24,7 +24,7 @@ from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session, stop_group
 from vllm_zerocopy_testbed.config import ClusterSettings, process_env
-from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.model import build, model_dir, spec_for
 from vllm_zerocopy_testbed.node import usage as node_usage
 from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env
 from vllm_zerocopy_testbed.node.warmup import warm_up, warms_logprobs
@@ -73,10 +73,11 @@ class LocalVllmCluster(Cluster):
         warm-up answer; return seconds. Called again (after a nemesis), it starts afresh."""
         self.down()  # what a nemesis left of an earlier up (a no-op on the first)
         start = time.monotonic()
-        model_dir = DEFAULT_DIR
-        build(model_dir)
+        spec = spec_for(self.settings["TESTBED_MODEL"])  # the variant the node image has at that path
+        directory = model_dir(spec)
+        build(directory, spec)
         self.ray.start()
-        values = {**self.settings.values, "TESTBED_MODEL": str(model_dir)}
+        values = {**self.settings.values, "TESTBED_MODEL": str(directory)}
         argv = serve_argv(replace(self.settings, values=values), host=HEAD_IP, port=API_PORT)
         env = {**process_env(), **values, **self.settings.node_env, **serve_env(self.settings), "RAY_ADDRESS": self.ray.address,
                "VLLM_HOST_IP": HEAD_IP,

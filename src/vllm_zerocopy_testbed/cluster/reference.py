@@ -16,7 +16,7 @@ from vllm_zerocopy_testbed.node.serve import serve_argv
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.node.warmup import warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings, process_env
-from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir
+from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir, spec_for
 
 HOST = "127.0.0.1"
 PORT = 8021
@@ -27,14 +27,15 @@ class ReferenceServer(Service):
     vLLM's multiprocessing executor with that TP on this host (tests/e2e/test_arena.py)."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
-                 spec: TinyModelSpec = TinyModelSpec(), port: int = PORT, tp: int = 1,
+                 spec: TinyModelSpec | None = None, port: int = PORT, tp: int = 1,
                  env: dict[str, str] | None = None, name: str = "reference server") -> None:
-        """``spec``: the model variant the cluster serves (the node image builds the same ones);
+        """``spec``: the model variant the cluster serves (the node image builds the same ones; by
+        default the one ``TESTBED_MODEL`` names there);
         ``port``: another than the e2e session's reference (which stays up) for a second one;
         ``env``: more environment for the server's processes (``TESTBED_ARENA=upstream``)."""
         self.settings = settings or ClusterSettings.from_env()
         self.port = port
-        self.spec = spec
+        self.spec = spec or spec_for(self.settings["TESTBED_MODEL"])
         self.tp = tp
         self.env = env or {}
         self.up_timeout = up_timeout
