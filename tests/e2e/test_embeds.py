@@ -13,7 +13,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts, transport
 from vllm_zerocopy_testbed.config import Executor
-from live.suite import SIZES, LiveCluster, Reference, judge, match_reference, within_budget
+from live.suite import MODEL_SPEC, SIZES, LiveCluster, Reference, judge, match_reference, within_budget
 from vllm_zerocopy_testbed.workload.catalog import embeds_batch_specs, embeds_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -27,7 +27,7 @@ REPEATS = 2
 @pytest.fixture(scope="session")
 def embeds_run(cluster: LiveCluster, reference: Reference) -> list[Record]:
     """The embeds workload, sent ``REPEATS`` times, one request at a time."""
-    specs = [*embeds_specs(SIZES), *embeds_batch_specs()]
+    specs = [*embeds_specs(SIZES, spec=MODEL_SPEC), *embeds_batch_specs(spec=MODEL_SPEC)]
     return cluster.run("embeds", specs * REPEATS, paired=reference)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import bitexact, timeouts
-from live.suite import SIZES, LiveCluster, Reference, judge
+from live.suite import MODEL_SPEC, SIZES, LiveCluster, Reference, judge
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -20,7 +20,7 @@ REPEATS = 2
 
 @pytest.fixture(scope="session")
 def plain_run(cluster: LiveCluster) -> list[Record]:
-    return cluster.run("plain", plain_specs(SIZES) * REPEATS)
+    return cluster.run("plain", plain_specs(SIZES, MODEL_SPEC) * REPEATS)
 
 
 def test_every_request_answers_within_its_bound(cluster: LiveCluster, plain_run: list[Record]) -> None:

@@ -8,9 +8,9 @@ import pytest
 from openai import OpenAI, OpenAIError
 
 from vllm_zerocopy_testbed import vllm_source
-from vllm_zerocopy_testbed.model import DEFAULT_DIR, build
+from vllm_zerocopy_testbed.model import build, model_dir
 from vllm_zerocopy_testbed.node import warmup
-from live.suite import MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S
+from live.suite import MODEL_SPEC, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S
 from vllm_zerocopy_testbed.workload.embeds import encode, rows_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smoke, pytest.mark.suite("smoke"), pytest.mark.timeout(1500)]
@@ -22,9 +22,10 @@ def _embeds_of(prompt: str) -> tuple[list[int], str]:
     """Return the prompt's token ids and base64 of ``torch.save`` of their embedding rows."""
     from transformers import AutoTokenizer
 
-    build(DEFAULT_DIR)  # same bytes as the image's /model (deterministic builder)
-    ids = AutoTokenizer.from_pretrained(DEFAULT_DIR)(prompt)["input_ids"]
-    return ids, encode(rows_for(ids))
+    directory = model_dir(MODEL_SPEC)
+    build(directory, MODEL_SPEC)  # same bytes as the image's model at TESTBED_MODEL (deterministic builder)
+    ids = AutoTokenizer.from_pretrained(directory)(prompt)["input_ids"]
+    return ids, encode(rows_for(ids, spec=MODEL_SPEC))
 
 
 def _create(cluster, client: OpenAI, **request):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed.checker import bitexact, timeouts
-from live.suite import REPORT, REQUEST_TIMEOUT_S, SETTINGS, SIZES, LiveCluster, judge
+from live.suite import MODEL_SPEC, REPORT, REQUEST_TIMEOUT_S, SETTINGS, SIZES, LiveCluster, judge
 from vllm_zerocopy_testbed.workload import bad_input
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import Record
@@ -17,7 +17,7 @@ from vllm_zerocopy_testbed.workload.requests import Record
 pytestmark = [pytest.mark.faults, pytest.mark.suite("bad-input"), pytest.mark.timeout(900)]
 
 # Without logprobs, so that the check also runs on the compiled-graph executor (issue 5).
-_VALID = plain_specs(SIZES)[:2]
+_VALID = plain_specs(SIZES, MODEL_SPEC)[:2]
 # Findings, not test bugs: vLLM 0.32 answers non-finite prompt_embeds with HTTP 200 (an empty
 # completion). Expected only as exactly that: HTTP 200, the server healthy, the valid answers
 # unchanged; a 5xx, a dead server or changed answers stay red, and so does a 4xx (the day vLLM

@@ -28,7 +28,7 @@ from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
-from live.suite import (FAULTS, HISTORY, MODES_CHOSEN, PROFILES, REPORT,
+from live.suite import (FAULTS, HISTORY, MODEL_SPEC, MODES_CHOSEN, PROFILES, REPORT,
                        REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, LiveCluster,
                        Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
@@ -139,7 +139,7 @@ def _mark_known_failures(item: pytest.Item) -> None:
 def reference() -> Iterator[Reference]:
     """Run every comparable spec once against the single-process server (before any cluster), and
     keep it up for the session: the latency checks pair each cluster request with it."""
-    specs = reference_specs(SIZES, int(SETTINGS["TESTBED_MAX_NUM_SEQS"]))
+    specs = reference_specs(SIZES, int(SETTINGS["TESTBED_MAX_NUM_SEQS"]), MODEL_SPEC)
     with ReferenceServer(SETTINGS) as server:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S,
                         awake=server.awake)
@@ -153,7 +153,8 @@ def reference() -> Iterator[Reference]:
     assert not server.leftovers(), f"the reference server left behind: {server.leftovers()}"
 
 
-RUN_SETTINGS = ("TESTBED_SERVE_ARGS", "TESTBED_MQ_TIMELINE", "TESTBED_MAX_MODEL_LEN", "TESTBED_NODE_ENV")
+RUN_SETTINGS = ("TESTBED_SERVE_ARGS", "TESTBED_MQ_TIMELINE", "TESTBED_MAX_MODEL_LEN", "TESTBED_NODE_ENV", "TESTBED_MODEL",
+                "TESTBED_MAX_NUM_SEQS")
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, e2e_profiles
 from vllm_zerocopy_testbed.known import death_evidence
+from vllm_zerocopy_testbed.model import spec_for
 from vllm_zerocopy_testbed.report import RunReport
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record
@@ -29,6 +30,9 @@ RUN_DIR = RUN.report_dir
 REQUEST_TIMEOUT_S = RUN.request_timeout_s
 LATENCY_BUDGET = RUN.latency_budget
 SIZES = EmbedsSizes.for_chunk(int(SETTINGS.values.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")))
+# The model the run's clusters and reference serve (the node image's variant at TESTBED_MODEL): prompt_embeds
+# are its rows, so that embeds of a token's row answer as the token id.
+MODEL_SPEC = spec_for(SETTINGS["TESTBED_MODEL"])
 
 HISTORY = History()
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])

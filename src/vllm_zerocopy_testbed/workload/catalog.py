@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_zerocopy_testbed.model import TinyModelSpec
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.workload.embeds import DTYPES, WIRE_BYTES_PER_ROW, token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds
@@ -38,31 +39,34 @@ class EmbedsSizes:
         return [("small", self.small), ("oob", self.out_of_band), ("overflow", self.overflow)]
 
 
-def embeds_specs(sizes: EmbedsSizes, dtypes: tuple[str, ...] = tuple(DTYPES)) -> list[CompletionSpec]:
-    """prompt_embeds per dtype and size, each with its token-id twin (``ids/<size>``)."""
+def embeds_specs(sizes: EmbedsSizes, dtypes: tuple[str, ...] = tuple(DTYPES),
+                 spec: TinyModelSpec = TinyModelSpec()) -> list[CompletionSpec]:
+    """prompt_embeds per dtype and size (rows of ``spec``'s model, the one served), each with its
+    token-id twin (``ids/<size>``)."""
     specs = []
     for size, rows in sizes.items():
         ids = tuple(token_ids(rows, seed=rows))
         specs.append(CompletionSpec(f"ids/{size}", prompt_ids=ids, max_tokens=MAX_TOKENS, logprobs=5))
-        specs += [CompletionSpec(f"embeds/{dtype}/{size}", embeds=(Embeds(ids, dtype),), max_tokens=MAX_TOKENS,
+        specs += [CompletionSpec(f"embeds/{dtype}/{size}", embeds=(Embeds(ids, dtype, spec),), max_tokens=MAX_TOKENS,
                                  logprobs=5) for dtype in dtypes]
     return specs
 
 
-def plain_specs(sizes: EmbedsSizes) -> list[CompletionSpec]:
+def plain_specs(sizes: EmbedsSizes, spec: TinyModelSpec = TinyModelSpec()) -> list[CompletionSpec]:
     """Token ids and fp32 embeds of every size without logprobs: what the compiled-graph executor answers."""
     specs = []
     for size, rows in sizes.items():
         ids = tuple(token_ids(rows, seed=rows))
         specs += [CompletionSpec(f"plain/ids/{size}", prompt_ids=ids, max_tokens=MAX_TOKENS),
-                  CompletionSpec(f"plain/embeds/{size}", embeds=(Embeds(ids),), max_tokens=MAX_TOKENS)]
+                  CompletionSpec(f"plain/embeds/{size}", embeds=(Embeds(ids, spec=spec),), max_tokens=MAX_TOKENS)]
     return specs
 
 
-def embeds_batch_specs(parts: int = 3) -> list[CompletionSpec]:
+def embeds_batch_specs(parts: int = 3, spec: TinyModelSpec = TinyModelSpec()) -> list[CompletionSpec]:
     """Several prompt_embeds in one request, and each part's token ids alone."""
     ids = [tuple(token_ids(24 + 8 * i, seed=100 + i)) for i in range(parts)]
-    batch = CompletionSpec("embeds/batch", embeds=tuple(Embeds(i) for i in ids), max_tokens=MAX_TOKENS, logprobs=5)
+    batch = CompletionSpec("embeds/batch", embeds=tuple(Embeds(i, spec=spec) for i in ids), max_tokens=MAX_TOKENS,
+                           logprobs=5)
     return [batch, *(CompletionSpec(f"ids/batch/{n}", prompt_ids=i, max_tokens=MAX_TOKENS, logprobs=5)
                      for n, i in enumerate(ids))]
 
@@ -108,10 +112,11 @@ def structured_specs(count: int, max_tokens: int = 32,
             for i in range(count)]
 
 
-def reference_specs(sizes: EmbedsSizes, max_num_seqs: int) -> list[CompletionSpec]:
-    """Every spec the cluster suites compare with the single-process reference."""
-    return [*plain_specs(sizes), *embeds_specs(sizes), *embeds_batch_specs(), *logprobs_specs(), *prompt_logprobs_specs(),
-            *stream_specs(), *concurrent_specs(2 * max_num_seqs)]
+def reference_specs(sizes: EmbedsSizes, max_num_seqs: int, spec: TinyModelSpec = TinyModelSpec()) -> list[CompletionSpec]:
+    """Every spec the cluster suites compare with the single-process reference, prompt_embeds of
+    ``spec``'s model (the one served)."""
+    return [*plain_specs(sizes, spec), *embeds_specs(sizes, spec=spec), *embeds_batch_specs(spec=spec), *logprobs_specs(),
+            *prompt_logprobs_specs(), *stream_specs(), *concurrent_specs(2 * max_num_seqs)]
 
 
 # A scheduler step that carries this much prompt_embeds is past the socket buffers of a TCP
