@@ -49,11 +49,10 @@ ARENA_SPEC = TinyModelSpec(hidden_size=1024, num_layers=2, num_heads=32, num_kv_
 # The structured-output variant (/model-vocab256k in the node image): a grammar bitmask row is
 # vocab / 8 bytes, so 32 structured requests in one batch make a >= 1 MiB out-of-band buffer.
 LARGE_VOCAB = 262144
-LARGE_VOCAB_SPEC = TinyModelSpec(vocab_size=LARGE_VOCAB)
 
 # The models the node image builds (images/node/Dockerfile), by the path TESTBED_MODEL names there: a
 # server on this host (the reference, the local backend) builds and serves the same variant.
-IMAGE_MODELS = {"/model": TinyModelSpec(), "/model-vocab256k": LARGE_VOCAB_SPEC}
+IMAGE_MODELS = {"/model": TinyModelSpec(), "/model-vocab256k": TinyModelSpec(vocab_size=LARGE_VOCAB)}
 
 
 def spec_for(image_path: str) -> TinyModelSpec:

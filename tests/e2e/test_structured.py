@@ -37,7 +37,6 @@ from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeline, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
-from vllm_zerocopy_testbed.model import LARGE_VOCAB_SPEC
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
                        LiveCluster, judge)
 from vllm_zerocopy_testbed.workload.catalog import structured_specs
@@ -51,7 +50,6 @@ PROGRESS = logging.getLogger("vllm_zerocopy_testbed.e2e")
 # The variant in the node image, and what makes two batches of >= 32 rows likely.
 STRUCTURED_SETTINGS = {"TESTBED_MODEL": "/model-vocab256k", "TESTBED_MAX_NUM_SEQS": "128",
                        "TESTBED_MAX_MODEL_LEN": "512", "TESTBED_MQ_TIMELINE": "1"}
-SPEC = LARGE_VOCAB_SPEC
 # Closed loop: each client sends its next request as soon as it has an answer, so both
 # batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs: the first 96 start
 # together, the rest as they finish. 256 took ~100 s a profile, and the race showed from the
@@ -74,7 +72,7 @@ DIFFERS_SIGNATURE = re.compile(r"^structured/\d+: choice \d+: (text|tokens) ")
 def structured_reference() -> dict[str, Record]:
     """The single-process server's answer to each structured spec (same variant, same flags)."""
     settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
-    with ReferenceServer(settings, spec=SPEC, port=REFERENCE_PORT + 1) as server:
+    with ReferenceServer(settings, port=REFERENCE_PORT + 1) as server:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
         records = runner.run("structured-reference", SPECS, concurrency=8)
         verdict = timeouts.check(records)
