@@ -13,7 +13,7 @@ from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.config import Executor
 from vllm_zerocopy_testbed.known import E2E
 from live.suite import MODES_CHOSEN, PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
-from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_specs, logprobs_specs,
+from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_count, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -31,8 +31,9 @@ def logprobs_run(cluster: LiveCluster, reference: Reference) -> list[Record]:
 
 @pytest.fixture(scope="session")
 def concurrent_run(cluster: LiveCluster, logprobs_run: list[Record]) -> list[Record]:
-    """Twice ``--max-num-seqs`` distinct requests in flight at once (the scheduler queues the rest)."""
-    count = 2 * int(cluster.settings["TESTBED_MAX_NUM_SEQS"])
+    """Twice ``--max-num-seqs`` distinct requests in flight at once (the scheduler queues the rest), at
+    most 16 (``catalog.concurrent_count``: with ``make e2e``'s 128 sequences they all run together)."""
+    count = concurrent_count(int(cluster.settings["TESTBED_MAX_NUM_SEQS"]))
     return cluster.run("concurrent", concurrent_specs(count), concurrency=count)
 
 

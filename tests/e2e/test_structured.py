@@ -19,9 +19,11 @@ the remote ranks changed, 21 of 384 requests ended with HTTP 500 after the engin
 
 The cluster runs with ``TESTBED_MQ_TIMELINE=1``: the engine logs each frame's hand-off,
 release and the next fill, readers the CRC of what they got (``checker/timeline.py``).
-The suite needs its own cluster (model variant, ``--max-num-seqs 128``): it runs last
-in each V2 profile, in place of the profile's cluster, and never takes down a cluster
-this run did not start.
+The suite needs the model variant, ``--max-num-seqs 128`` and the timeline
+(``catalog.STRUCTURED_CLUSTER``). ``make e2e`` starts every cluster so: the suite then runs
+first on each V2 profile's own cluster, and the run's reference answers its requests. With
+other settings it brings up clusters of its own: last in each V2 profile, in place of the
+profile's cluster, and never taking down a cluster this run did not start.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
-                       LiveCluster, judge)
-from vllm_zerocopy_testbed.workload.catalog import structured_specs
+                       STRUCTURED_SPECS as SPECS, STRUCTURED_UNMET, LiveCluster, Reference, judge)
+from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_CLUSTER
 from vllm_zerocopy_testbed.workload.requests import Record
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -47,16 +49,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.suite("structured"), pytest.mark.time
 # A progress line on the terminal as it happens (live/plugin.py shows the package's INFO lines).
 PROGRESS = logging.getLogger("vllm_zerocopy_testbed.e2e")
 
-# The variant in the node image, and what makes two batches of >= 32 rows likely.
-STRUCTURED_SETTINGS = {"TESTBED_MODEL": "/model-vocab256k", "TESTBED_MAX_NUM_SEQS": "128",
-                       "TESTBED_MAX_MODEL_LEN": "512", "TESTBED_MQ_TIMELINE": "1"}
+# The clusters of its own, where the run's do not serve what it needs (the variant in the node
+# image, and what makes two batches of >= 32 rows likely).
+STRUCTURED_SETTINGS = {**STRUCTURED_CLUSTER, "TESTBED_MAX_MODEL_LEN": "512"}
 # Closed loop: each client sends its next request as soon as it has an answer, so both
-# batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs: the first 96 start
-# together, the rest as they finish. 256 took ~100 s a profile, and the race showed from the
-# first refilled step on (v2/upstream, 2026-12-03: 45 of 45 out-of-band frames written again
-# while ZMQ held them, the first failed request sent 24 s into the run; the 97th sent at 17-20 s).
+# batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs (SPECS, live.suite):
+# the first 96 start together, the rest as they finish. 256 took ~100 s a profile, and the race
+# showed from the first refilled step on (v2/upstream, 2026-12-03: 45 of 45 out-of-band frames
+# written again while ZMQ held them, the first failed request sent 24 s into the run; the 97th
+# sent at 17-20 s).
 CLIENTS = 96
-SPECS = structured_specs(128, prompt_tokens=(2, 6))
 # The head's outgoing link while the clients run: a bitmask transfer outlasts a step.
 LINK_MBIT = 16
 # The send race's own words in the timeline checker (checker/timeline.py).
@@ -69,8 +71,12 @@ DIFFERS_SIGNATURE = re.compile(r"^structured/\d+: choice \d+: (text|tokens) ")
 
 
 @pytest.fixture(scope="session")
-def structured_reference() -> dict[str, Record]:
-    """The single-process server's answer to each structured spec (same variant, same flags)."""
+def structured_reference(request: pytest.FixtureRequest) -> dict[str, Record]:
+    """The single-process server's answer to each structured spec (same variant, same flags): the
+    run's reference where the run's clusters serve the suite, else a server of its own."""
+    if not STRUCTURED_UNMET:
+        reference: Reference = request.getfixturevalue("reference")
+        return {spec.key: reference.answers[spec.key] for spec in SPECS}
     settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
     with ReferenceServer(settings, port=REFERENCE_PORT + 1) as server:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
@@ -83,8 +89,9 @@ def structured_reference() -> dict[str, Record]:
 
 @pytest.fixture(scope="session")
 def structured_cluster(profile: Profile, request: pytest.FixtureRequest) -> Iterator[LiveCluster]:
-    """The profile's cluster with the large-vocabulary variant; it replaces the profile's own
-    cluster if this run started that one, and is brought down afterwards."""
+    """The profile's cluster where it serves the suite (``make e2e``); else one with the
+    large-vocabulary variant that replaces the profile's own cluster if this run started that one,
+    and is brought down afterwards."""
     if profile.executor is not Executor.V2:
         pytest.skip("the compiled-graph executor sends no MessageQueue broadcast")
     if cluster_backend() == "external":
@@ -92,6 +99,9 @@ def structured_cluster(profile: Profile, request: pytest.FixtureRequest) -> Iter
                     "cluster is only observed")
     if cluster_backend() != "compose":
         pytest.skip("the large-vocabulary model variant is built into the node image only")
+    if not STRUCTURED_UNMET:  # make e2e: the profile's cluster serves the suite; it runs there first
+        yield request.getfixturevalue("cluster")
+        return
     backend = cluster_from_env(up_timeout=900, overrides={**profile.env(), **STRUCTURED_SETTINGS})
     if backend.is_running():
         if str(profile) not in STARTED_BY_RUN:

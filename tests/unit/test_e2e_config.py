@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, Executor, TestbedConfig, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
-from vllm_zerocopy_testbed.workload.catalog import (LARGE_STEP_BYTES, STRUCTURED_REGEXES, EmbedsSizes, batched_tokens,
-                                                    large_step_specs, reference_specs, structured_specs)
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.model import IMAGE_MODELS
+from vllm_zerocopy_testbed.workload.catalog import (LARGE_STEP_BYTES, STRUCTURED_CLUSTER, STRUCTURED_REGEXES, EmbedsSizes,
+                                                    batched_tokens, concurrent_count, large_step_specs, reference_specs,
+                                                    structured_specs, structured_unmet)
 from vllm_zerocopy_testbed.workload.embeds import WIRE_BYTES_PER_ROW
 from vllm_zerocopy_testbed.workload.requests import Record
 
@@ -48,6 +53,27 @@ def test_embeds_sizes_reach_each_transport_path() -> None:
     assert sizes.overflow * WIRE_BYTES_PER_ROW > 2 * 1024 * 1024
     keys = [s.key for s in reference_specs(sizes, max_num_seqs=8)]
     assert len(keys) == len(set(keys)), "every spec has its own key"
+
+
+def test_make_e2e_serves_the_structured_suite_on_every_cluster_and_the_defaults_do_not() -> None:
+    """The Makefile's e2e exports and the suite's needs are one list: with them, the structured suite
+    runs on the profiles' clusters; ``make up`` (compose/.env alone) keeps the small model."""
+    exports = dict(re.split(r" \??= ", line.removeprefix("e2e: export ")) for line in (REPO_ROOT / "Makefile")
+                   .read_text().splitlines() if line.startswith("e2e: export "))
+    assert exports == STRUCTURED_CLUSTER
+    assert exports["TESTBED_MODEL"] in IMAGE_MODELS
+    defaults = ClusterSettings.from_env({}).values
+    assert not structured_unmet({**defaults, **exports})
+    unmet = structured_unmet(defaults)
+    assert len(unmet) == 3 and unmet[0].startswith("TESTBED_MODEL='/model' (needs '/model-vocab256k')")
+    assert structured_unmet({**defaults, **exports, "TESTBED_MAX_MODEL_LEN": "256"}) == [
+        "TESTBED_MAX_MODEL_LEN='256' (needs >= 512)"]
+
+
+def test_the_concurrent_suite_sends_twice_the_sequences_up_to_16() -> None:
+    assert [concurrent_count(n) for n in (1, 8, 128)] == [2, 16, 16]
+    keys = [s.key for s in reference_specs(EmbedsSizes.for_chunk(2), max_num_seqs=128)]
+    assert sum(k.startswith("concurrent/") for k in keys) == 16
 
 
 def test_report_cell_shows_the_worst_outcome() -> None:

@@ -7,6 +7,7 @@ fp32, so the transport carries ``rows x 512`` bytes whatever dtype was sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from vllm_zerocopy_testbed.model import TinyModelSpec
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
@@ -89,6 +90,17 @@ def stream_specs() -> list[CompletionSpec]:
                            stream=True)]
 
 
+# The concurrent suite sends twice the default --max-num-seqs (8) at once, or twice a smaller one:
+# with the structured suite's 128 sequences, 256 logprobs requests over a 262144-token vocabulary
+# would cost the reference ~1 min on its own.
+CONCURRENT_MAX = 16
+
+
+def concurrent_count(max_num_seqs: int) -> int:
+    """How many requests the concurrent suite sends at once to a server of ``max_num_seqs``."""
+    return min(2 * max_num_seqs, CONCURRENT_MAX)
+
+
 def concurrent_specs(count: int) -> list[CompletionSpec]:
     """``count`` distinct logprobs requests meant to be in flight together."""
     return [CompletionSpec(f"concurrent/{i}", prompt_ids=tuple(token_ids(8 + i % 7, seed=200 + i)),
@@ -98,6 +110,26 @@ def concurrent_specs(count: int) -> list[CompletionSpec]:
 # Structured outputs: grammars whose masks share no token, so a request sampled with another
 # request's bitmask row (the send race on the grammar bitmask) breaks its own regex.
 STRUCTURED_REGEXES = ("[0-9]{12}", "(red|green|blue)( (red|green|blue)){3}", "[n-z]{12}", "(yes|no)( (yes|no)){5}")
+
+
+# What the structured suite needs of a cluster: the variant whose grammar bitmask rows are 32 KiB
+# (262144 tokens), room for two pipeline batches of >= 32 structured rows (a bitmask >= 1 MiB: out of
+# band), the MessageQueue timeline it judges, and its prompts (2-6 tokens) plus 32 answer tokens.
+STRUCTURED_CLUSTER = {"TESTBED_MODEL": "/model-vocab256k", "TESTBED_MAX_NUM_SEQS": "128", "TESTBED_MQ_TIMELINE": "1"}
+STRUCTURED_MIN_MODEL_LEN = 512
+
+
+def structured_unmet(settings: Mapping[str, str]) -> list[str]:
+    """What a cluster started with ``settings`` lacks for the structured suite (empty: it can run there).
+
+    ``make e2e`` starts every cluster so (Makefile), and the suite then runs first on each V2 profile's
+    own cluster; with other settings it brings up clusters of its own (``STRUCTURED_CLUSTER``)."""
+    unmet = [f"{key}={settings.get(key, '')!r} (needs {value!r})" for key, value in STRUCTURED_CLUSTER.items()
+             if settings.get(key, "").strip().rstrip("/") != value]
+    length = settings.get("TESTBED_MAX_MODEL_LEN", "")
+    if not length.isdigit() or int(length) < STRUCTURED_MIN_MODEL_LEN:
+        unmet.append(f"TESTBED_MAX_MODEL_LEN={length!r} (needs >= {STRUCTURED_MIN_MODEL_LEN})")
+    return unmet
 
 
 def structured_specs(count: int, max_tokens: int = 32,
@@ -116,7 +148,7 @@ def reference_specs(sizes: EmbedsSizes, max_num_seqs: int, spec: TinyModelSpec =
     """Every spec the cluster suites compare with the single-process reference, prompt_embeds of
     ``spec``'s model (the one served)."""
     return [*plain_specs(sizes, spec), *embeds_specs(sizes, spec=spec), *embeds_batch_specs(spec=spec), *logprobs_specs(),
-            *prompt_logprobs_specs(), *stream_specs(), *concurrent_specs(2 * max_num_seqs)]
+            *prompt_logprobs_specs(), *stream_specs(), *concurrent_specs(concurrent_count(max_num_seqs))]
 
 
 # A scheduler step that carries this much prompt_embeds is past the socket buffers of a TCP
