@@ -85,7 +85,7 @@ for step in "${STEPS[@]}"; do
       # the fresh venv (no pip or setuptools of its own) reads its dependencies from that venv's
       # site-packages (a .pth line) and installs only this package, with its entry points, itself;
       # then every requirement of the package and its [PROFILE,test] extras must be met there.
-      # ~15 s instead of ~125 s of pip resolving and unpacking vLLM, Ray and torch again.
+      # ~7 s instead of ~125 s of pip resolving and unpacking vLLM, Ray and torch again.
       # Without it: the whole install from the package index, as on a GPU runner.
       install_over() {
         local own deps

@@ -6,11 +6,10 @@ import re
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, Executor, TestbedConfig, e2e_profiles
+from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, ConfigError, Executor, TestbedConfig, e2e_profiles
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
-from vllm_zerocopy_testbed.config import REPO_ROOT
 from vllm_zerocopy_testbed.model import IMAGE_MODELS
 from vllm_zerocopy_testbed.workload.catalog import (LARGE_STEP_BYTES, STRUCTURED_CLUSTER, STRUCTURED_REGEXES, EmbedsSizes,
                                                     batched_tokens, concurrent_count, large_step_specs, reference_specs,
