@@ -40,8 +40,8 @@ from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
-                       STRUCTURED_SPECS as SPECS, STRUCTURED_UNMET, LiveCluster, Reference, judge)
-from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_CLUSTER
+                       STRUCTURED_UNMET, LiveCluster, Reference, judge)
+from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_CLUSTER, structured_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -53,12 +53,12 @@ PROGRESS = logging.getLogger("vllm_zerocopy_testbed.e2e")
 # image, and what makes two batches of >= 32 rows likely).
 STRUCTURED_SETTINGS = {**STRUCTURED_CLUSTER, "TESTBED_MAX_MODEL_LEN": "512"}
 # Closed loop: each client sends its next request as soon as it has an answer, so both
-# batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs (SPECS, live.suite):
-# the first 96 start together, the rest as they finish. 256 took ~100 s a profile, and the race
-# showed from the first refilled step on (v2/upstream, 2026-12-03: 45 of 45 out-of-band frames
-# written again while ZMQ held them, the first failed request sent 24 s into the run; the 97th
-# sent at 17-20 s).
+# batches of the pipeline stay full (~48 rows, ~1.5 MiB each). 128 specs: the first 96 start
+# together, the rest as they finish. 256 took ~100 s a profile, and the race showed from the
+# first refilled step on (v2/upstream, 2026-12-03: 45 of 45 out-of-band frames written again
+# while ZMQ held them, the first failed request sent 24 s into the run; the 97th sent at 17-20 s).
 CLIENTS = 96
+SPECS = structured_specs(128, prompt_tokens=(2, 6))
 # The head's outgoing link while the clients run: a bitmask transfer outlasts a step.
 LINK_MBIT = 16
 # The send race's own words in the timeline checker (checker/timeline.py).
@@ -74,16 +74,20 @@ DIFFERS_SIGNATURE = re.compile(r"^structured/\d+: choice \d+: (text|tokens) ")
 def structured_reference(request: pytest.FixtureRequest) -> dict[str, Record]:
     """The single-process server's answer to each structured spec (same variant, same flags): the
     run's reference where the run's clusters serve the suite, else a server of its own."""
-    if not STRUCTURED_UNMET:
+    if not STRUCTURED_UNMET:  # the run's reference serves the variant: woken for these requests
         reference: Reference = request.getfixturevalue("reference")
-        return {spec.key: reference.answers[spec.key] for spec in SPECS}
-    settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
-    with ReferenceServer(settings, port=REFERENCE_PORT + 1) as server:
-        runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
-        records = runner.run("structured-reference", SPECS, concurrency=8)
-        verdict = timeouts.check(records)
-        if not verdict.ok:
-            pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")
+        with reference.runner.awake():
+            records = reference.runner.run("structured-reference", SPECS, concurrency=8)
+        logs = ""
+    else:
+        settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
+        with ReferenceServer(settings, port=REFERENCE_PORT + 1) as server:
+            runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
+            records = runner.run("structured-reference", SPECS, concurrency=8)
+            logs = server.logs(40)
+    verdict = timeouts.check(records)
+    if not verdict.ok:
+        pytest.fail(f"the single-process reference failed: {verdict}\n{logs}")
     return bitexact.first_answers(records)
 
 
@@ -100,6 +104,7 @@ def structured_cluster(profile: Profile, request: pytest.FixtureRequest) -> Iter
     if cluster_backend() != "compose":
         pytest.skip("the large-vocabulary model variant is built into the node image only")
     if not STRUCTURED_UNMET:  # make e2e: the profile's cluster serves the suite; it runs there first
+        request.getfixturevalue("structured_reference")  # on a quiet machine, before the cluster
         yield request.getfixturevalue("cluster")
         return
     backend = cluster_from_env(up_timeout=900, overrides={**profile.env(), **STRUCTURED_SETTINGS})

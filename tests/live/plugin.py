@@ -29,8 +29,8 @@ from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
 from live.suite import (FAULTS, HISTORY, MODEL_SPEC, MODES_CHOSEN, PROFILES, REPORT,
-                       REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, STRUCTURED_SPECS,
-                       STRUCTURED_UNMET, LiveCluster, Reference)
+                       REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, STRUCTURED_UNMET,
+                       LiveCluster, Reference)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -86,10 +86,6 @@ SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequen
                "structured", "across", "nemesis")
 
 
-# The suites this session runs (after -m/-k), set at collection.
-_SELECTED: set[str] = set()
-
-
 # Suites with servers of their own on this host, run before any cluster is up (an idle cluster's
 # pinned ranks spin on both cores).
 FIRST = ("arena",)
@@ -115,7 +111,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         _mark_known_failures(item)
     items.sort(key=_order)
-    _SELECTED.update(item.get_closest_marker("suite").args[0] for item in items if item.get_closest_marker("suite"))
     # Last of the hooks: `-m`/`-k` have deselected what does not run.
     if any(item.get_closest_marker("suite") for item in items):
         _show_progress(config)
@@ -153,8 +148,6 @@ def reference() -> Iterator[Reference]:
         runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S,
                         awake=server.awake)
         records = runner.run("reference", specs)
-        if "structured" in _SELECTED and not STRUCTURED_UNMET:  # it runs on the run's clusters: its answers too
-            records += runner.run("structured-reference", STRUCTURED_SPECS, concurrency=8)
         verdict = timeouts.check(records)
         if not verdict.ok:
             pytest.fail(f"the single-process reference failed: {verdict}\n{server.logs(40)}")

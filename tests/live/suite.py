@@ -19,7 +19,7 @@ from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, clust
 from vllm_zerocopy_testbed.known import death_evidence
 from vllm_zerocopy_testbed.model import spec_for
 from vllm_zerocopy_testbed.report import RunReport
-from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, structured_specs, structured_unmet
+from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, structured_unmet
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -33,11 +33,10 @@ SIZES = EmbedsSizes.for_chunk(int(SETTINGS.values.get("VLLM_MQ_MAX_CHUNK_BYTES_M
 # The model the run's clusters and reference serve (the node image's variant at TESTBED_MODEL): prompt_embeds
 # are its rows, so that embeds of a token's row answer as the token id.
 MODEL_SPEC = spec_for(SETTINGS["TESTBED_MODEL"])
-# The structured suite's 128 regex-constrained requests (2-6-token prompts), and what the run's clusters
-# lack for it. Nothing (`make e2e` sets the variant, 128 sequences and the timeline for every cluster):
-# it runs first on each V2 profile's own cluster and the run's reference answers its requests too;
-# else it brings up clusters and a reference of its own (tests/e2e/test_structured.py).
-STRUCTURED_SPECS = structured_specs(128, prompt_tokens=(2, 6))
+# What the run's clusters lack for the structured suite. Nothing (`make e2e` sets the variant, 128
+# sequences and the timeline for every cluster): it runs first on each V2 profile's own cluster and
+# asks the run's reference for its answers; else it brings up clusters and a reference of its own
+# (tests/e2e/test_structured.py).
 STRUCTURED_UNMET = structured_unmet(SETTINGS.values) if cluster_backend() == "compose" else ["not a compose cluster"]
 
 HISTORY = History()
