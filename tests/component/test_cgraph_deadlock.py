@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
+from vllm_zerocopy_testbed.cluster.process import kill_session
 from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.config import INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.harness import cgraph_deadlock
@@ -31,14 +31,21 @@ GET_TIMEOUT_S = 5
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     shm = ShmSnapshot.take()
+    cmd = [sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        return subprocess.run([sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args],
-                              capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
+        out, err = proc.communicate(timeout=180)
     finally:
-        # The script ends with os._exit (a deadlocked graph does not tear down); its Ray
-        # processes share its fate but leave their channel semaphores in /dev/shm.
-        time.sleep(2)
+        # The script ends with os._exit (a deadlocked graph does not tear down); the Ray
+        # processes of its Cluster stay in its session (Ray's agents for ~60 s) and leave
+        # their channel semaphores in /dev/shm.
+        left = kill_session(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
         shm.remove_new()
+    assert not left, f"processes of the script's session survived SIGKILL: {left}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.needs_vllm("compiled-graph executor")  # vLLM >= 0.33.0: no executor whose in-flight count to read

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -75,6 +76,19 @@ def _signal_each(pids: list[int], signum: int) -> list[int]:
 def signal_session(sid: int, signum: int) -> list[int]:
     """Send ``signum`` to every process of session ``sid``; return the PIDs it reached."""
     return _signal_each(session_pids(sid), signum)
+
+
+def kill_session(sid: int, timeout: float = 10.0) -> list[int]:
+    """SIGKILL every process of session ``sid`` until none is left (at most ``timeout`` s);
+    return those still there then. For a child started with ``start_new_session`` whose own
+    children outlive it (Ray's agents wait ~60 s before they notice their raylet is gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = session_pids(sid)
+        if not left or time.monotonic() >= deadline:
+            return left
+        _signal_each(left, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def is_stopped(pid: int) -> bool:

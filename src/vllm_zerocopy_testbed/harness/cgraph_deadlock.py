@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -59,23 +61,26 @@ class InBandArray(np.ndarray):
 WARMUP_TIMEOUT_S = 120.0
 
 
+def start_cluster() -> Any:
+    """Two loopback Ray nodes (Ray rewrites 127.0.0.1 to the host's address): the driver's
+    (resource ``driver_node``) and the ranks' (``rank_node``); a ``ray.cluster_utils.Cluster``."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"driver_node": 1}, "node_ip_address": DRIVER_IP})
+    cluster.add_node(num_cpus=2, resources={"rank_node": 2}, node_ip_address=RANK_IP)
+    cluster.wait_for_nodes()
+    return cluster
+
+
 def run(*, inband: bool, inflight: int = 2, steps: int = 6, slow_s: float = 1.0, timeout_s: float = 20.0,
         address: str | None = None) -> tuple[bool, str]:
     """Run the schedule; return (every get answered, what happened)."""
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
-    cluster = None
-    if address is None:
-        from ray.cluster_utils import Cluster
-
-        # Loopback addresses only (Ray rewrites 127.0.0.1 to the host's address).
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "resources": {"driver_node": 1}, "node_ip_address": DRIVER_IP})
-        cluster.add_node(num_cpus=2, resources={"rank_node": 2}, node_ip_address=RANK_IP)
-        cluster.wait_for_nodes()
-        address = cluster.address
-    ray.init(address=address, logging_level="ERROR", _node_ip_address=DRIVER_IP)
+    cluster = start_cluster() if address is None else None  # lives as long as this process
+    ray.init(address=address if cluster is None else cluster.address, logging_level="ERROR", _node_ip_address=DRIVER_IP)
 
     @ray.remote(num_cpus=0, resources={"rank_node": 1})
     class Rank:
@@ -147,14 +152,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--address", default=None, help="an existing 2-node cluster (resources driver_node, rank_node)")
     args = parser.parse_args(argv)
+    address = args.address
     if args.inflight == "vllm":
-        inflight = vllm_inflight()
+        # vLLM's import (~6 s, on one core) while the cluster's Ray processes start (on the
+        # other); Ray's Cluster sets signal handlers, so it starts on the main thread.
+        with ThreadPoolExecutor(1) as pool:
+            counting = pool.submit(vllm_inflight)
+            cluster = start_cluster() if address is None else None
+            inflight = counting.result()
+        address = address if cluster is None else cluster.address
         print(f"in flight: {inflight} (vLLM's max_concurrent_batches, compiled graph, PP=2 x TP=2)", flush=True)
     elif args.inflight.isdigit() and int(args.inflight) >= 1:
         inflight = int(args.inflight)
     else:
         parser.error(f"--inflight must be a positive integer or `vllm`, got {args.inflight!r}")
-    ok, what = run(inband=args.inband, inflight=inflight, timeout_s=args.timeout, address=args.address)
+    ok, what = run(inband=args.inband, inflight=inflight, timeout_s=args.timeout, address=address)
     print(("PASS: " if ok else "DEADLOCK: ") + what, flush=True)
     import os
 
