@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 from packaging.version import Version
@@ -102,9 +104,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                  getattr(item, "testbed_known", None))
 
 
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+_rpc_dir: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM binds its ZMQ IPC sockets (MessageQueue readers, engine core) under
+    ``VLLM_RPC_BASE_PATH``, by default /tmp, and a process that is killed leaves them there:
+    a test-core run left ~120 in /tmp. This run's vLLM processes, in it and started by it,
+    get a directory of their own, removed when the run ends."""
+    global _rpc_dir
+    if RPC_BASE_ENV not in os.environ:
+        _rpc_dir = tempfile.mkdtemp(prefix="testbed-ipc-")
+        os.environ[RPC_BASE_ENV] = _rpc_dir
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The heap probe files of vLLM processes this run started and killed (a normal exit removes
-    its own): only files whose process is gone are removed."""
+    its own): only files whose process is gone are removed. Then the run's IPC socket directory."""
     from vllm_zerocopy_testbed.node import heap
 
     heap.prune()
+    if _rpc_dir is not None:
+        shutil.rmtree(_rpc_dir, ignore_errors=True)
