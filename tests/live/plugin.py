@@ -24,7 +24,7 @@ from vllm_zerocopy_testbed.checker import timeouts
 from vllm_zerocopy_testbed.checker.bitexact import first_answers
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import REPO_ROOT, Profile
+from vllm_zerocopy_testbed.config import REPO_ROOT, Profile, warm_channel_timeout
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
@@ -168,9 +168,11 @@ def cluster(profile: Profile, reference: Reference) -> Iterator[LiveCluster]:
     if profile.executor.value == "cgraph" and "compiled-graph executor" in lacks:
         # vLLM >= 0.33.0 ignores VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0: the profile would run V2 under cgraph's name.
         pytest.skip(f"{profile}: vLLM {vllm_source.running_line()} has no compiled-graph executor (removed in 0.33.0)")
-    backend = cluster_from_env(up_timeout=900, overrides=profile.env())
+    # A compiled-graph cluster after an earlier one of the run warmed the compile cache: a 30 s channel bound.
+    overrides = {**profile.env(), **warm_channel_timeout(profile, SETTINGS.values, bool(STARTED_BY_RUN))}
+    backend = cluster_from_env(up_timeout=900, overrides=overrides)
     # Beyond the profile, what a run may set (make faults: the batch budget, the timeline).
-    wanted = {**profile.env(), **{k: backend.settings.values.get(k, "") for k in RUN_SETTINGS}}
+    wanted = {**overrides, **{k: backend.settings.values.get(k, "") for k in RUN_SETTINGS}}
     if backend.serves(wanted):
         yield LiveCluster(backend, profile)
         return

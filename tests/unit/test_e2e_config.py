@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, ConfigError, Executor, TestbedConfig, e2e_profiles
+from vllm_zerocopy_testbed.config import (CHANNEL_TIMEOUT_ENV, DEFAULT_CHANNEL_TIMEOUT_S, REPO_ROOT, ClusterSettings,
+                                          ConfigError, Executor, TestbedConfig, e2e_profiles, warm_channel_timeout)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
@@ -30,6 +31,17 @@ def test_chosen_modes_are_strict_and_set_both_paths() -> None:
     profiles, chosen = e2e_profiles({"TESTBED_E2E_MODES": "off", "TESTBED_E2E_EXECUTORS": "cgraph"})
     assert chosen and profiles[0].env() == {"TESTBED_EXECUTOR": "cgraph", "TESTBED_BROADCAST": "off",
                                             "TESTBED_DETACH": "off", "TESTBED_INFLIGHT": "off"}
+
+
+def test_compiled_graph_clusters_after_a_warm_up_get_the_short_channel_bound() -> None:
+    """30 s once the run warmed the compile cache, on cgraph only, never over a bound the user set."""
+    v2, _, cgraph, _ = e2e_profiles({})[0]
+    defaults = ClusterSettings.from_env({}).values
+    assert defaults[CHANNEL_TIMEOUT_ENV] == DEFAULT_CHANNEL_TIMEOUT_S  # compose/.env's: what counts as not set
+    assert warm_channel_timeout(cgraph, defaults, cache_warm=True) == {CHANNEL_TIMEOUT_ENV: "30"}
+    assert warm_channel_timeout(cgraph, defaults, cache_warm=False) == {}
+    assert warm_channel_timeout(v2, defaults, cache_warm=True) == {}
+    assert warm_channel_timeout(cgraph, {**defaults, CHANNEL_TIMEOUT_ENV: "120"}, cache_warm=True) == {}
 
 
 def test_bad_executor_or_mode_names_the_valid_ones() -> None:
