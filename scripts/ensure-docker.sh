@@ -34,7 +34,7 @@ nohup dockerd --storage-driver=overlay2 --iptables=false --ip-masq=false >"$LOG"
 echo $! >/run/testbed-dockerd.pid
 for _ in $(seq "$WAIT_S"); do
   if docker info >/dev/null 2>&1; then
-    echo "docker: engine up (pid $(cat /run/testbed-dockerd.pid))"
+    echo "docker: engine up in ${SECONDS} s (pid $(cat /run/testbed-dockerd.pid))"
     exit 0
   fi
   if ! kill -0 "$(cat /run/testbed-dockerd.pid)" 2>/dev/null; then

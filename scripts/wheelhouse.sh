@@ -30,4 +30,4 @@ if ! timeout 1800 "$PY" -m pip wheel --quiet --wheel-dir "$OUT" -r "$OUT/require
   exit 1
 fi
 touch "$OUT/.complete"
-echo "wheelhouse $OUT ready ($(du -sh "$OUT" | cut -f1), $(ls "$OUT"/*.whl | wc -l) wheels)"
+echo "wheelhouse $OUT ready in ${SECONDS} s ($(du -sh "$OUT" | cut -f1), $(ls "$OUT"/*.whl | wc -l) wheels)"

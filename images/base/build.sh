@@ -29,4 +29,4 @@ rm -rf "$ROOT"/var/lib/apt/lists/* "$ROOT"/var/cache/apt/*
 tar -C "$ROOT" -c . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'CMD ["/bin/bash"]' - "$TAG" >/dev/null
-echo "base image $TAG built ($(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}'))"
+echo "base image $TAG built in ${SECONDS} s ($(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}'))"
