@@ -12,8 +12,10 @@ its own two local Ray nodes (loopback), bounded.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,9 +33,14 @@ GET_TIMEOUT_S = 5
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     shm = ShmSnapshot.take()
+    # os._exit and SIGKILL skip multiprocessing's finalizers: each run left a /tmp/pymp-* directory
+    # (a listener socket). The script gets a temporary directory of its own, removed below; Ray's
+    # session files stay where Ray puts them (RAY_TMPDIR wins over TMPDIR).
+    private_tmp = tempfile.mkdtemp(prefix="testbed-deadlock-")
     cmd = [sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={"RAY_TMPDIR": tempfile.gettempdir(), **os.environ, **(env or {}),
+                                 "TMPDIR": private_tmp}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=180)
     finally:
@@ -44,6 +51,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         proc.kill()
         proc.wait(timeout=10)
         shm.remove_new()
+        shutil.rmtree(private_tmp, ignore_errors=True)
     assert not left, f"processes of the script's session survived SIGKILL: {left}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
