@@ -41,6 +41,7 @@ class ReferenceServer(Service):
         self.up_timeout = up_timeout
         self._server = ApiServerProcess(name, f"testbed-{name.replace(' ', '-')}-")
         self._shm = ShmSnapshot.take()
+        self._stores = ShmSnapshot.file_stores()
 
     @property
     def base_url(self) -> str:
@@ -80,13 +81,15 @@ class ReferenceServer(Service):
         return self._server.awake()
 
     def down(self) -> None:
-        """Stop the server's process group (bounded) and remove the /dev/shm files it left."""
+        """Stop the server's process group (bounded) and remove the /dev/shm files and the
+        executor's file store it left."""
         self._server.stop()
         self._shm.remove_new()
+        self._stores.remove_new()
 
     def leftovers(self) -> list[str]:
-        """Return what the server left behind after ``down``: its process, /dev/shm files."""
-        return self._server.leftover() + [f"/dev/shm/{name}" for name in self._shm.new_leaks()]
+        """Return what the server left behind after ``down``: its process, /dev/shm files, file stores."""
+        return self._server.leftover() + self._shm.paths() + self._stores.paths()
 
     def logs(self, tail: int | None = None) -> str:
         return self._server.logs(tail)
