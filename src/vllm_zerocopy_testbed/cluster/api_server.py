@@ -16,6 +16,7 @@ from typing import Iterator, Mapping, Sequence
 
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
+from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 
@@ -30,8 +31,10 @@ class ApiServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
         self._paused = False
+        self._stores: ShmSnapshot | None = None  # taken at start: the file stores already there
 
     def start(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        self._stores = ShmSnapshot.file_stores()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=dict(env),
                                          start_new_session=True)
@@ -75,12 +78,16 @@ class ApiServerProcess:
                 self.pause()
 
     def stop(self) -> None:
-        """Stop the group (bounded: SIGTERM, a grace period, SIGKILL)."""
+        """Stop the group (bounded: SIGTERM, a grace period, SIGKILL) and remove the file store its
+        executor left (``vllm_dist_*``)."""
         self.resume()  # a stopped process acts on SIGTERM only once continued
         stop_group(self.proc)
+        if self._stores is not None:
+            self._stores.remove_new()
 
     def leftover(self) -> list[str]:
-        return [f"{self.name} pid {self.proc.pid} still running"] if self.running() else []
+        running = [f"{self.name} pid {self.proc.pid} still running"] if self.running() else []
+        return running + (self._stores.paths() if self._stores is not None else [])
 
     def logs(self, tail: int | None = None) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []

@@ -276,7 +276,7 @@ class LocalRayCluster:
         """Return what our nodes left behind: live processes of our Ray session, /dev/shm files."""
         found = [f"ray node pid {p.pid} still running" for p in self._procs if p.poll() is None]
         found += [f"pid {pid} of our Ray session: {title[:80]}" for pid, title in self._session_processes().items()]
-        found += [f"/dev/shm/{name}" for name in self._shm.new_leaks()] if self._shm is not None else []
+        found += self._shm.paths() if self._shm is not None else []
         return found
 
 

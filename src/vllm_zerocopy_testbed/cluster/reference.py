@@ -41,7 +41,6 @@ class ReferenceServer(Service):
         self.up_timeout = up_timeout
         self._server = ApiServerProcess(name, f"testbed-{name.replace(' ', '-')}-")
         self._shm = ShmSnapshot.take()
-        self._stores = ShmSnapshot.file_stores()
 
     @property
     def base_url(self) -> str:
@@ -85,11 +84,10 @@ class ReferenceServer(Service):
         executor's file store it left."""
         self._server.stop()
         self._shm.remove_new()
-        self._stores.remove_new()
 
     def leftovers(self) -> list[str]:
         """Return what the server left behind after ``down``: its process, /dev/shm files, file stores."""
-        return self._server.leftover() + self._shm.paths() + self._stores.paths()
+        return self._server.leftover() + self._shm.paths()
 
     def logs(self, tail: int | None = None) -> str:
         return self._server.logs(tail)

@@ -16,7 +16,7 @@ SHM_DIR = Path("/dev/shm")
 LEAK_PATTERNS = ("psm_*", "*cpushm*", "sem.*", "torch_*", "vllm*")
 # vLLM's multiprocessing executor meets its workers in a torch FileStore at
 # <tempdir>/vllm_dist_<uuid> (vllm.utils.network_utils.get_file_store_init_method); a server that
-# is stopped leaves it behind: one per host server, five per `make e2e`.
+# is stopped leaves it behind (one per host server, five per `make e2e`): ApiServerProcess removes it.
 FILE_STORE_PATTERNS = ("vllm_dist_*",)
 
 
