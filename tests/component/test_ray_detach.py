@@ -31,18 +31,13 @@ REMOTE = "testbed_node1"
 
 
 @pytest.fixture(scope="module")
-def _nodes():
+def two_nodes():
+    """The module's cluster, started by the first driver run that needs it."""
     nodes = ReusedCluster([RayNodeSpec("127.0.0.3"), RayNodeSpec("127.0.0.2", resources={REMOTE: 1})])
     try:
         yield nodes
     finally:
         nodes.stop()
-
-
-@pytest.fixture
-def two_nodes(_nodes: ReusedCluster):
-    """The module's cluster, started by the first driver run that needs it."""
-    yield _nodes
 
 
 # Each driver run's steps, by its arguments: a test that asks for a run already made judges that

@@ -77,8 +77,8 @@ def test_a_server_that_exits_makes_the_watchdog_exit_non_zero(two_nodes) -> None
 def test_a_lost_node_stops_the_server_and_the_watchdog_exits_non_zero(two_nodes) -> None:
     server = subprocess.Popen(["sleep", "600"], start_new_session=True)  # stands in for the API server
     guard = _start(two_nodes.address, server)
+    output = _Output(guard)
     try:
-        output = _Output(guard)
         output.wait_for("watching", timeout=60)
         time.sleep(3)  # more than one health check period (2 s) with every node alive
         assert guard.poll() is None and server.poll() is None, \
