@@ -85,15 +85,26 @@ def build(folder: Path, changes: list[Replacement]) -> Path:
 
     Raises ``OverlayError`` if a change does not apply or the changed source does not compile.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    sources: dict[str, str] = {}
     by_module: dict[str, list[Replacement]] = {}
     for change in changes:
         by_module.setdefault(change.module, []).append(change)
+    texts: dict[str, str] = {}
     for module, edits in by_module.items():
         text = module_source(module).read_text()
         for edit in edits:
             text = edit.apply(text)
+        texts[module] = text
+    return build_sources(folder, texts)
+
+
+def build_sources(folder: Path, texts: dict[str, str]) -> Path:
+    """Write an overlay that serves ``texts`` (module name -> its whole changed source) into ``folder``.
+
+    Raises ``OverlayError`` if a changed source does not compile.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    sources: dict[str, str] = {}
+    for module, text in texts.items():
         name = module.replace(".", "__") + ".py"
         try:
             compile(text, str(folder / name), "exec")
