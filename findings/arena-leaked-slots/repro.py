@@ -17,7 +17,7 @@ arena's slots are counted.
 of a message with an 8 MiB tensor).
 
 Prints one line. Exit 1: the failed calls left slots claimed (the bug); 0: all 8 slots free;
-2: could not run.
+3: this release lacks the code path (``N/A ...``); 2: could not run.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def main() -> int:
     try:
         mq = MessageQueue(n_reader=1, n_local_reader=1, enable_shm_tensor_arena=True)
     except TypeError:
-        print(f"ERROR (vLLM {vllm.__version__}): MessageQueue has no enable_shm_tensor_arena (vLLM >= 0.32)")
-        return 2
+        print(f"N/A (vLLM {vllm.__version__}): MessageQueue has no enable_shm_tensor_arena (the arena is new in 0.32)")
+        return 3
     arena = mq.tensor_arena
     before = free_slots(arena)
     raised = 0

@@ -20,7 +20,7 @@ vLLM's ``max_concurrent_batches`` gives a compiled-graph PP=2 x TP=2 config; ran
 step (vLLM: both ranks compile the logprobs op on its first use). Pure Ray apart from that count.
 
 Prints one line. Exit 1: a read timed out in the cycle (the bug); 0: every execution answered;
-2: could not run.
+3: this release lacks the code path (``N/A ...``); 2: could not run.
 """
 
 from __future__ import annotations
@@ -99,6 +99,11 @@ def main() -> int:
     except ImportError as exc:
         print(f"ERROR: cannot import what the repro needs: {exc}")
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.executor.ray_executor") is None:
+        print(f"N/A (vLLM {vllm.__version__}): no compiled-graph executor (ray_executor.py; removed in 0.33.0)")
+        return 3
     inflight = vllm_inflight()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"driver_node": 1}, "node_ip_address": DRIVER_IP,

@@ -17,7 +17,8 @@ A one-node Ray cluster (started here, in a temporary folder), one actor returnin
 output of 2048 requests with read-only arrays; no Ray).
 
 Prints one line. Exit 1: a read stalled until its bound, or an array still aliases the channel
-(the bug); 0: 8 steps read with every output kept; 2: could not run.
+(the bug); 0: 8 steps read with every output kept;
+3: this release lacks the code path (``N/A ...``); 2: could not run.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ def bench() -> int:
     import json
 
     import numpy as np
-    from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output
+    try:
+        from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output
+    except ImportError:
+        print("N/A: no compiled-graph executor's detach (removed in 0.33.0)")
+        return 3
     from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 
     def readonly(array):
@@ -104,14 +109,18 @@ def main(temp: str) -> int:
         import ray
         import vllm
         from ray.dag import InputNode
-        from vllm.v1.executor.ray_utils import FutureWrapper
         from vllm.v1.outputs import ModelRunnerOutput
     except ImportError as exc:
         print(f"ERROR: cannot import what the repro needs: {exc}")
         return 2
+    try:
+        from vllm.v1.executor.ray_utils import FutureWrapper
+    except ImportError:
+        print(f"N/A (vLLM {vllm.__version__}): no compiled-graph executor (FutureWrapper; removed in 0.33.0)")
+        return 3
     if not any(f == "sampling_masks" for f in ModelRunnerOutput.__dataclass_fields__):
-        print(f"ERROR (vLLM {vllm.__version__}): ModelRunnerOutput has no sampling_masks (vLLM >= 0.28 only)")
-        return 2
+        print(f"N/A (vLLM {vllm.__version__}): ModelRunnerOutput has no sampling_masks (vLLM >= 0.28 only)")
+        return 3
 
     @ray.remote(num_cpus=0)
     class Producer:

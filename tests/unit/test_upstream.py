@@ -84,6 +84,15 @@ def test_runs_are_judged_by_their_exit_status(returncode: int, stock: str, patch
     assert run.judge_patched(result, loads=1) == patched
 
 
+def test_a_release_without_the_code_path_is_not_applicable_not_red() -> None:
+    assert run.judge_stock(run.Run(3, "N/A (vLLM 0.34.0): no compiled-graph executor", 1.0)) == run.NOT_APPLICABLE
+    verdict = run.Verdict("c", "0.34.0", stock=run.Run(3, "N/A x", 1.0), stock_result=run.NOT_APPLICABLE,
+                          patched_result=run.NOT_APPLICABLE)
+    assert verdict.ok
+    row = run.markdown({"vllm": "0.34.0", "findings": [run.asdict(verdict)]}).splitlines()[-1]
+    assert "not in this release: N/A x | - |" in row and "(red)" not in row
+
+
 def test_a_patched_run_that_never_imported_the_fix_says_nothing() -> None:
     assert run.judge_patched(run.Run(0, "OK", 1.0), loads=0) == run.ERROR
 

@@ -38,6 +38,8 @@ STOCK_ENV = {"VLLM_PLUGINS": ""}
 
 REPRODUCES, FIXED = "reproduces", "fixed"  # the expected results, stock and patched
 NOT_REPRODUCED, NOT_FIXED, ERROR, HANG = "no longer reproduces", "not fixed", "error", "runner cap"
+# Exit 3: the release under test lacks the code path (VLLM=0.33.0 has no compiled-graph executor)
+NOT_APPLICABLE = "not in this release"
 
 
 class FindingError(ValueError):
@@ -167,7 +169,7 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
             proc.wait()
     seconds = time.monotonic() - started
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    verdicts = [ln for ln in lines if ln.startswith(("OK", "FAIL", "HANG", "ERROR", BENCH))]
+    verdicts = [ln for ln in lines if ln.startswith(("OK", "FAIL", "HANG", "ERROR", "N/A", BENCH))]
     line = (verdicts or lines or ["(no output)"])[-1].strip()
     if returncode == -9:
         line = f"killed by the runner after {finding.cap_s + MARGIN_S:.0f} s (past the repro's own cap): {line}"
@@ -239,11 +241,13 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
+        if self.stock_result == NOT_APPLICABLE:
+            return True  # nothing to fix here; the table says why
         return self.stock_result == REPRODUCES and self.patched_result == FIXED
 
 
 def judge_stock(run: Run) -> str:
-    return {1: REPRODUCES, 0: NOT_REPRODUCED, -9: HANG}.get(run.returncode, ERROR)
+    return {1: REPRODUCES, 0: NOT_REPRODUCED, 3: NOT_APPLICABLE, -9: HANG}.get(run.returncode, ERROR)
 
 
 def judge_patched(run: Run, loads: int) -> str:
@@ -254,13 +258,18 @@ def judge_patched(run: Run, loads: int) -> str:
 
 def run_one(finding: Finding, out: Path, bench_rounds: int = 0) -> Verdict:
     verdict = Verdict(finding.name, installed_vllm())
+    # Stock first: on another release (VLLM=) the diff may not apply, and whether the bug is
+    # there is still the answer a user asks for.
+    verdict.stock = run_repro(finding, out / finding.name / "stock", None)
+    verdict.stock_result = judge_stock(verdict.stock)
+    if verdict.stock_result == NOT_APPLICABLE:
+        verdict.patched_result = NOT_APPLICABLE
+        return verdict
     try:
         verdict.modules = build_patched(finding, out / finding.name / "scratch")
     except FindingError as exc:
         verdict.problem = str(exc)
         return verdict
-    verdict.stock = run_repro(finding, out / finding.name / "stock", None)
-    verdict.stock_result = judge_stock(verdict.stock)
     scratch = out / finding.name / "scratch" / "overlay"
     verdict.patched = run_repro(finding, out / finding.name / "patched", scratch)
     verdict.loads = sum(overlay.loads(scratch).get(m, 0) for m in verdict.modules)
@@ -291,7 +300,7 @@ def write_report(verdicts: list[Verdict], out: Path) -> None:
 
 
 def _cell(result: str, run: dict | None, expected: str) -> str:
-    mark = result if result == expected else f"**{result}** (red)"
+    mark = result if result in (expected, NOT_APPLICABLE) else f"**{result}** (red)"
     return f"{mark}: {run['line']}" if run else mark
 
 
@@ -300,7 +309,7 @@ def markdown(data: dict) -> str:
              "| finding | release | stock | patched (fix.diff) | s (stock / patched) |", "|---|---|---|---|---|"]
     for v in data["findings"]:
         stock = _cell(v["stock_result"], v["stock"], REPRODUCES)
-        patched = _cell(v["patched_result"], v["patched"], FIXED)
+        patched = "-" if v["patched_result"] == NOT_APPLICABLE else _cell(v["patched_result"], v["patched"], FIXED)
         if v["problem"]:
             patched += f" ({v['problem']})"
         seconds = " / ".join(f"{r['seconds']:.0f}" for r in (v["stock"], v["patched"]) if r) or "-"
