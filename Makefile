@@ -35,7 +35,7 @@ RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(VRUN) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-quick mutants
+PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-quick mutants upstream
 .PHONY: help setup bisect $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
@@ -109,6 +109,9 @@ test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_
 
 mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
+
+upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs its fix.diff overlaid: one table (~5 min; ONLY=a,b; BENCH=4: the fixes' cost, ~15 min; VLLM=<release>), report in reports/
+	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.upstream $(if $(ONLY),--only $(ONLY)) $(if $(BENCH),--bench $(BENCH))
 
 VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
 matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode
