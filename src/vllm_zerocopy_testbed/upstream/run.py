@@ -1,8 +1,8 @@
 """Run every finding's ``repro.py`` on the installed (stock) vLLM and with its ``fix.diff``, and judge.
 
 A finding is a folder of ``findings/``: ``repro.py`` (standalone: vLLM, and Ray where the path
-needs it; exit 1 when the bug shows, 0 when it does not, 2 when it cannot run; its own cap on
-time, ``CAP_S``), ``fix.diff`` (a unified diff against the release's files, paths ``a/vllm/...``)
+needs it; exit 1 when the bug shows, 0 when it does not, 3 when the release lacks the code path,
+2 when it cannot run; its own cap on time, ``CAP_S``), ``fix.diff`` (a unified diff against the release's files, paths ``a/vllm/...``)
 and ``REPORT.md``. The fix is applied with ``patch`` to scratch copies of those files and served
 through the mutants' overlay (``mutants/overlay.py``): the installed vLLM is never touched, and
 the overlay's load log proves the patched run imported the patched module. A repro that passes
@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_zerocopy_testbed.bench import stats
 from vllm_zerocopy_testbed import vllm_source
+from vllm_zerocopy_testbed.bench import stats
 from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 from vllm_zerocopy_testbed.mutants import overlay
 
