@@ -17,7 +17,7 @@ import tempfile
 import pytest
 from packaging.version import Version
 
-from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, PatchMode
+from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV, RAY_AUTH_DEFAULT, PatchMode
 from vllm_zerocopy_testbed.known import COMPONENT, judge_report
 from vllm_zerocopy_testbed import vllm_source
 
@@ -117,6 +117,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if RPC_BASE_ENV not in os.environ:
         _rpc_dir = tempfile.mkdtemp(prefix="testbed-ipc-")
         os.environ[RPC_BASE_ENV] = _rpc_dir
+    # Every Ray process the tests start, in this process or its children, without token
+    # authentication unless the user set it: a ~/.ray/auth_token left by any earlier local
+    # ray.init() otherwise makes local nodes refuse to join (config.RAY_AUTH_DEFAULT).
+    for name, value in RAY_AUTH_DEFAULT.items():
+        os.environ.setdefault(name, value)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

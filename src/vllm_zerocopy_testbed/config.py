@@ -476,9 +476,18 @@ class E2ERun:
 
 
 # -- the process environment, for what is not a testbed knob ------------------------------------
+# Ray >= 2.60 turns token authentication on for a new local ``ray.init()`` and writes
+# ~/.ray/auth_token; every later Ray process that finds that file turns it on too, unless told
+# otherwise, and a cluster whose processes disagree refuses its nodes (``InvalidAuthToken`` at
+# join: every local-node test red after a user's one ``ray.init()``). The testbed's clusters are
+# its own, on loopback or on its own container network: authentication off unless the user set it.
+RAY_AUTH_DEFAULT = {"RAY_AUTH_MODE": "disabled"}
+
+
 def process_env(**extra: str) -> dict[str, str]:
-    """A copy of this process's environment plus ``extra``: what a child process we start gets."""
-    return {**os.environ, **extra}
+    """A copy of this process's environment plus ``extra``: what a child process we start gets
+    (with Ray's token authentication off where the environment does not say, ``RAY_AUTH_DEFAULT``)."""
+    return {**RAY_AUTH_DEFAULT, **os.environ, **extra}
 
 
 def set_process_env(name: str, value: str) -> None:

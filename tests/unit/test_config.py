@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_zerocopy_testbed import config
 from vllm_zerocopy_testbed.config import CommunicatorChoice, ConfigError, PatchMode, TestbedConfig
 
 pytestmark = pytest.mark.unit
@@ -73,3 +74,13 @@ def test_the_e2e_run_settings_are_read_once_with_one_default_each() -> None:
                       ("TESTBED_REQUEST_TIMEOUT_S", "-3")):
         with pytest.raises(ConfigError, match=f"{name}='{bad}' is invalid"):
             E2ERun.from_env(settings, {name: bad})
+
+
+def test_child_processes_run_ray_without_token_auth_unless_the_user_says(monkeypatch) -> None:
+    """A ~/.ray/auth_token left by any local ray.init() must not make the testbed's nodes refuse
+    to join (InvalidAuthToken): children get RAY_AUTH_MODE=disabled, and a user's own value wins."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert config.process_env()["RAY_AUTH_MODE"] == "disabled"
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert config.process_env()["RAY_AUTH_MODE"] == "token"
+    assert config.process_env(RAY_AUTH_MODE="x")["RAY_AUTH_MODE"] == "x"
