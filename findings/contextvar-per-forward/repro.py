@@ -87,8 +87,12 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as folder:
         tiny_llama(folder)
-        llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256, seed=0,
-                  compilation_config={"mode": 2, "backend": "eager"}, enable_prefix_caching=False)
+        try:
+            llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256, seed=0,
+                      compilation_config={"mode": 2, "backend": "eager"}, enable_prefix_caching=False)
+        except Exception as exc:  # not the finding: the engine must start for the repro to say anything
+            print(f"ERROR (vLLM {vllm.__version__}): the engine did not start: {type(exc).__name__}: {exc}")
+            return 2
         params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, detokenize=False)
         prompt = {"prompt_token_ids": [1, 2, 3, 4]}
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False),

@@ -55,8 +55,8 @@ def test_a_file_that_is_not_a_diff_is_refused(tmp_path: Path) -> None:
 
 def test_the_fix_is_applied_to_copies_and_served_by_an_overlay(tmp_path: Path) -> None:
     finding = run.discover(only=["prompt-embeds-nonfinite"])[0]
-    modules = run.build_patched(finding, tmp_path / "scratch")
-    assert modules == ["vllm.renderers.embed_utils"]
+    diff, modules = run.build_patched(finding, tmp_path / "scratch")
+    assert (diff, modules) == ("fix.diff", ["vllm.renderers.embed_utils"])
     served = (tmp_path / "scratch" / "overlay" / "vllm__renderers__embed_utils.py").read_text()
     assert "must be finite" in served
     installed = run.overlay.module_source("vllm.renderers.embed_utils").read_text()
@@ -72,14 +72,30 @@ def test_a_diff_for_other_code_is_an_error_naming_the_release(tmp_path: Path) ->
         run.build_patched(finding, tmp_path / "scratch")
 
 
-@pytest.mark.parametrize(("returncode", "stock", "patched"), [
-    (1, run.REPRODUCES, run.NOT_FIXED),
-    (0, run.NOT_REPRODUCED, run.FIXED),
-    (2, run.ERROR, run.ERROR),
-    (-9, run.HANG, run.HANG),
+def test_a_diff_for_a_later_release_serves_where_the_first_does_not_apply(tmp_path: Path) -> None:
+    """fix.diff is for the release the finding was made on; fix-<release>.diff for one whose code moved."""
+    folder = _copy(EMBEDS, tmp_path)
+    good = (folder / "fix.diff").read_text()
+    (folder / "fix-9.9.9.diff").write_text(good)
+    (folder / "fix.diff").write_text(good.replace("    return tensor\n", "    return tensor  # moved on\n", 1))
+    diff, _ = run.build_patched(run.discover(tmp_path)[0], tmp_path / "scratch")
+    assert diff == "fix-9.9.9.diff"
+    served = (tmp_path / "scratch" / "overlay" / "vllm__renderers__embed_utils.py").read_text()
+    assert "must be finite" in served
+
+
+@pytest.mark.parametrize(("returncode", "line", "stock", "patched"), [
+    (1, "FAIL (vLLM 0.32.0): x", run.REPRODUCES, run.NOT_FIXED),
+    (1, "HANG: y did not finish within 9 s", run.REPRODUCES, run.NOT_FIXED),
+    (0, "OK (vLLM 0.32.0): z", run.NOT_REPRODUCED, run.FIXED),
+    (2, "ERROR: cannot import", run.ERROR, run.ERROR),
+    (-9, "killed by the runner", run.HANG, run.HANG),
+    # a traceback exits 1 too: the repro never said the bug showed
+    (1, "RuntimeError: Device string must not be empty", run.ERROR, run.ERROR),
+    (0, "some other line", run.ERROR, run.ERROR),
 ])
-def test_runs_are_judged_by_their_exit_status(returncode: int, stock: str, patched: str) -> None:
-    result = run.Run(returncode, "line", 1.0)
+def test_runs_are_judged_by_their_exit_status_and_line(returncode: int, line: str, stock: str, patched: str) -> None:
+    result = run.Run(returncode, line, 1.0)
     assert run.judge_stock(result) == stock
     assert run.judge_patched(result, loads=1) == patched
 
@@ -95,6 +111,7 @@ def test_a_release_without_the_code_path_is_not_applicable_not_red() -> None:
 
 def test_a_patched_run_that_never_imported_the_fix_says_nothing() -> None:
     assert run.judge_patched(run.Run(0, "OK", 1.0), loads=0) == run.ERROR
+    assert run.judge_patched(run.Run(0, "OK", 1.0), loads=1) == run.FIXED
 
 
 def test_the_table_marks_what_is_not_as_the_finding_claims_red() -> None:

@@ -19,6 +19,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +60,12 @@ class Finding:
     @property
     def diff(self) -> Path:
         return self.folder / "fix.diff"
+
+    @property
+    def diffs(self) -> list[Path]:
+        """``fix.diff`` (against the release the finding was made on), then ``fix-<release>.diff``
+        for later releases whose code moved: the first that applies is the fix."""
+        return [self.diff, *sorted(self.folder.glob("fix-*.diff"))]
 
     @property
     def has_bench(self) -> bool:
@@ -105,16 +112,27 @@ def module_of(relative: str) -> str:
     return relative[:-3].replace("/", ".")
 
 
-def build_patched(finding: Finding, scratch: Path) -> list[str]:
-    """Apply ``fix.diff`` to copies of the installed files; write the overlay into ``scratch/overlay``.
+def build_patched(finding: Finding, scratch: Path) -> tuple[str, list[str]]:
+    """Apply the finding's first diff that applies (``Finding.diffs``) to copies of the files of the
+    vLLM under test; write the overlay into ``scratch/overlay``.
 
-    Returns the patched module names. Raises ``FindingError`` when the diff does not apply (the
-    installed release moved on, or the diff is for another one)."""
+    Returns the diff's name and the patched module names. Raises ``FindingError`` when none applies
+    (the release moved on, or the diffs are for others), with what ``patch`` said of each."""
+    refusals = []
+    for diff in finding.diffs:
+        try:
+            return diff.name, _apply(diff, scratch)
+        except FindingError as exc:
+            refusals.append(str(exc))
+    raise FindingError("; ".join(refusals))
+
+
+def _apply(diff: Path, scratch: Path) -> list[str]:
     tree = scratch / "tree"
     shutil.rmtree(scratch, ignore_errors=True)
     tree.mkdir(parents=True)
     modules = {}
-    for relative in diff_files(finding.diff):
+    for relative in diff_files(diff):
         module = module_of(relative)
         try:
             source = overlay.module_source(module)
@@ -124,10 +142,10 @@ def build_patched(finding: Finding, scratch: Path) -> list[str]:
         shutil.copyfile(source, tree / relative)
         modules[module] = tree / relative
     result = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-d", str(tree),
-                             "-i", str(finding.diff)], capture_output=True, text=True, timeout=60)
+                             "-i", str(diff)], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
         said = " ".join((result.stdout + result.stderr).split())[:300]
-        raise FindingError(f"{finding.diff} does not apply to vLLM {installed_vllm()}: {said}")
+        raise FindingError(f"{diff} does not apply to vLLM {installed_vllm()}: {said}")
     try:
         overlay.build_sources(scratch / "overlay", {m: p.read_text() for m, p in modules.items()})
     except overlay.OverlayError as exc:
@@ -148,7 +166,10 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
     """Run ``repro.py`` in its own session, bounded by its cap plus ``MARGIN_S``; its output goes to
     ``workdir``. A run past the bound is killed with its whole group and reported as ``-9``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    env = process_env(**STOCK_ENV)
+    # vLLM names its IPC sockets /tmp/<uuid> and leaves them when a process ends: the run's own
+    # folder instead (short: a socket path has 107 bytes), removed with what it holds.
+    ipc = tempfile.mkdtemp(prefix="upstream-ipc-")
+    env = process_env(**STOCK_ENV, VLLM_RPC_BASE_PATH=ipc)
     env = {k: v for k, v in env.items() if not k.startswith("TESTBED_")}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
@@ -167,6 +188,7 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
             except ProcessLookupError:
                 pass
             proc.wait()
+            shutil.rmtree(ipc, ignore_errors=True)
     seconds = time.monotonic() - started
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     verdicts = [ln for ln in lines if ln.startswith(("OK", "FAIL", "HANG", "ERROR", "N/A", BENCH))]
@@ -230,6 +252,7 @@ class Verdict:
     finding: str
     release: str
     modules: list[str] = field(default_factory=list)
+    fix: str = ""  # the diff that applied: fix.diff, or fix-<release>.diff
     stock: Run | None = None
     patched: Run | None = None
     stock_result: str = ERROR
@@ -246,13 +269,24 @@ class Verdict:
         return self.stock_result == REPRODUCES and self.patched_result == FIXED
 
 
+# What a repro prints with each exit status: an exit status without its line (a traceback exits 1
+# too) is an error, never a verdict.
+_LINES = {1: ("FAIL", "HANG"), 0: ("OK",), 3: ("N/A",)}
+
+
+def _said(run: Run) -> bool:
+    return run.returncode not in _LINES or run.line.startswith(_LINES[run.returncode])
+
+
 def judge_stock(run: Run) -> str:
+    if not _said(run):
+        return ERROR
     return {1: REPRODUCES, 0: NOT_REPRODUCED, 3: NOT_APPLICABLE, -9: HANG}.get(run.returncode, ERROR)
 
 
 def judge_patched(run: Run, loads: int) -> str:
-    if loads == 0:
-        return ERROR  # the patched module never ran: the result says nothing about the fix
+    if loads == 0 or not _said(run):
+        return ERROR  # the patched module never ran, or the repro crashed: nothing about the fix
     return {0: FIXED, 1: NOT_FIXED, -9: HANG}.get(run.returncode, ERROR)
 
 
@@ -266,7 +300,7 @@ def run_one(finding: Finding, out: Path, bench_rounds: int = 0) -> Verdict:
         verdict.patched_result = NOT_APPLICABLE
         return verdict
     try:
-        verdict.modules = build_patched(finding, out / finding.name / "scratch")
+        verdict.fix, verdict.modules = build_patched(finding, out / finding.name / "scratch")
     except FindingError as exc:
         verdict.problem = str(exc)
         return verdict
@@ -310,6 +344,8 @@ def markdown(data: dict) -> str:
     for v in data["findings"]:
         stock = _cell(v["stock_result"], v["stock"], REPRODUCES)
         patched = "-" if v["patched_result"] == NOT_APPLICABLE else _cell(v["patched_result"], v["patched"], FIXED)
+        if v.get("fix") and v["fix"] != "fix.diff":
+            patched += f" (with {v['fix']})"
         if v["problem"]:
             patched += f" ({v['problem']})"
         seconds = " / ".join(f"{r['seconds']:.0f}" for r in (v["stock"], v["patched"]) if r) or "-"
