@@ -166,10 +166,11 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
     """Run ``repro.py`` in its own session, bounded by its cap plus ``MARGIN_S``; its output goes to
     ``workdir``. A run past the bound is killed with its whole group and reported as ``-9``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    # vLLM names its IPC sockets /tmp/<uuid> and leaves them when a process ends: the run's own
-    # folder instead (short: a socket path has 107 bytes), removed with what it holds.
-    ipc = tempfile.mkdtemp(prefix="upstream-ipc-")
-    env = process_env(**STOCK_ENV, VLLM_RPC_BASE_PATH=ipc)
+    # What a repro's processes leave in /tmp (vLLM's /tmp/<uuid> IPC sockets and /tmp/vllm_dist_*
+    # file stores, multiprocessing's pymp-*, Ray's session folders) goes to a folder of this run,
+    # removed with what it holds. Short: Ray's socket paths under it must stay within 107 bytes.
+    ipc = tempfile.mkdtemp(prefix="up-")
+    env = process_env(**STOCK_ENV, VLLM_RPC_BASE_PATH=ipc, TMPDIR=ipc)
     env = {k: v for k, v in env.items() if not k.startswith("TESTBED_")}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
