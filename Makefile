@@ -110,7 +110,7 @@ test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_
 mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
-upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs its fix.diff overlaid: one table (~5 min; ONLY=a,b; BENCH=4: the fixes' cost, ~13 min; VLLM=<release>), report in reports/
+upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs its fix.diff overlaid: one table (~5 min; ONLY=a,b; BENCH=4 (at least 4): the fixes' cost, ~13 min; VLLM=<release>), report in reports/
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.upstream $(if $(ONLY),--only $(ONLY)) $(if $(BENCH),--bench $(BENCH))
 
 VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0

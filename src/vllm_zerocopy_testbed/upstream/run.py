@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.bench import stats
+from vllm_zerocopy_testbed.cluster import process
 from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 from vllm_zerocopy_testbed.mutants import overlay
 
@@ -41,6 +41,15 @@ REPRODUCES, FIXED = "reproduces", "fixed"  # the expected results, stock and pat
 NOT_REPRODUCED, NOT_FIXED, ERROR, HANG = "no longer reproduces", "not fixed", "error", "runner cap"
 # Exit 3: the release under test lacks the code path (VLLM=0.33.0 has no compiled-graph executor)
 NOT_APPLICABLE = "not in this release"
+
+
+# What a repro prints with each exit status: an exit status without its line (a traceback exits 1
+# too) is an error, never a verdict. ``--bench`` prints one ``BENCH`` line of JSON instead.
+_LINES = {1: ("FAIL", "HANG"), 0: ("OK",), 3: ("N/A",), 2: ("ERROR",)}
+BENCH = "BENCH "
+_PREFIXES = tuple(p for prefixes in _LINES.values() for p in prefixes) + (BENCH,)
+# Rounds of --bench: fewer cannot show the spread (stats.spread needs 4 values).
+MIN_BENCH_ROUNDS = 4
 
 
 class FindingError(ValueError):
@@ -184,22 +193,18 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
         except subprocess.TimeoutExpired:
             returncode = -9
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its readers, Ray nodes: only this run's session
-            except ProcessLookupError:
-                pass
+            # Its readers, Ray nodes and their workers (Ray gives each its own process group, in
+            # this session): only this run's session, bounded.
+            process.kill_session(proc.pid)
             proc.wait()
             shutil.rmtree(ipc, ignore_errors=True)
     seconds = time.monotonic() - started
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    verdicts = [ln for ln in lines if ln.startswith(("OK", "FAIL", "HANG", "ERROR", "N/A", BENCH))]
+    verdicts = [ln for ln in lines if ln.startswith(_PREFIXES)]
     line = (verdicts or lines or ["(no output)"])[-1].strip()
     if returncode == -9:
         line = f"killed by the runner after {finding.cap_s + MARGIN_S:.0f} s (past the repro's own cap): {line}"
     return Run(returncode, line if line.startswith(BENCH) else line[:400], round(seconds, 1))
-
-
-BENCH = "BENCH "
 
 
 @dataclass
@@ -226,7 +231,8 @@ def _bench_samples(run: Run) -> dict:
 
 def measure_cost(finding: Finding, out: Path, patched: Path, rounds: int) -> Cost:
     """Run ``repro.py --bench`` stock and patched, alternately (the order turned each round), and
-    compare: the same machine, the same drift. Raises ``FindingError`` when a bench run fails."""
+    compare: the same machine, the same drift. Raises ``FindingError`` when a bench run fails.
+    ``rounds`` >= ``MIN_BENCH_ROUNDS``."""
     medians: dict[str, list[float]] = {"stock": [], "patched": []}
     every: dict[str, list[float]] = {"stock": [], "patched": []}
     data: dict = {}
@@ -238,10 +244,7 @@ def measure_cost(finding: Finding, out: Path, patched: Path, rounds: int) -> Cos
             data = _bench_samples(run)
             medians[side].append(statistics.median(data["samples"]))
             every[side].extend(data["samples"])
-    ratios = stats.paired_ratios(medians["patched"], medians["stock"])
-    ratio = statistics.median(ratios)
-    # IQR / median from 4 rounds up; below that the range, so that noise is never reported as 0
-    spread = stats.spread(ratios) if len(ratios) >= 4 else (max(ratios) - min(ratios)) / ratio
+    ratio, spread = stats.paired_ratio(medians["patched"], medians["stock"])
     return Cost(data["metric"], data.get("unit", "ms"), round(statistics.median(every["stock"]), 3),
                 round(statistics.median(every["patched"]), 3), round(ratio, 3), round(spread, 3), rounds)
 
@@ -270,9 +273,6 @@ class Verdict:
         return self.stock_result == REPRODUCES and self.patched_result == FIXED
 
 
-# What a repro prints with each exit status: an exit status without its line (a traceback exits 1
-# too) is an error, never a verdict.
-_LINES = {1: ("FAIL", "HANG"), 0: ("OK",), 3: ("N/A",)}
 
 
 def _said(run: Run) -> bool:
@@ -326,12 +326,13 @@ def installed_vllm() -> str:
     return vllm_source.running_line()
 
 
-def write_report(verdicts: list[Verdict], out: Path) -> None:
-    """``upstream.json`` (the data) and ``upstream.md`` (the table, drawn from it)."""
+def write_report(verdicts: list[Verdict], out: Path) -> dict:
+    """``upstream.json`` (the data) and ``upstream.md`` (the table, drawn from it); return the data."""
     data = {"vllm": vllm_source.vllm_line(vllm_source.running()), "ok": all(v.ok for v in verdicts),
             "findings": [asdict(v) for v in verdicts]}
     (out / "upstream.json").write_text(json.dumps(data, indent=1))
     (out / "upstream.md").write_text(markdown(data) + "\n")
+    return data
 
 
 def _cell(result: str, run: dict | None, expected: str) -> str:
