@@ -83,6 +83,8 @@ MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 # A stall injected on the broadcast, to show the latency checker red (patches/slowdown.py):
 # empty (none) | stall:S (the engine's first broadcast of a tensor >= 1 MiB held S seconds).
 FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
+# A leak planted on purpose, to show make soak red (patches/plant.py): empty (none) | outputs.
+PLANT_LEAK_ENV = "TESTBED_PLANT_LEAK"
 # Seconds between each vLLM process's heap figures (node/heap.py, read by node/usage.py); 0: none.
 HEAP_PROBE_ENV = "TESTBED_HEAP_PROBE_S"
 # A diagnosis: N > 0 traces Python allocations (N frames each) in every vLLM process and writes
@@ -139,6 +141,7 @@ class TestbedConfig:
     broadcast_fault: BroadcastFault | None = None
     heap_probe_s: float = 30.0
     heap_trace_frames: int = 0
+    plant_leak: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TestbedConfig":
@@ -170,7 +173,11 @@ class TestbedConfig:
         trace_raw = env.get(HEAP_TRACE_ENV, "0").strip()
         if not trace_raw.isdigit():
             raise ConfigError(f"{HEAP_TRACE_ENV}={trace_raw!r} is invalid; use a number of frames (0: off)")
+        plant = env.get(PLANT_LEAK_ENV, "").strip().lower()
+        if plant not in ("", "outputs"):
+            raise ConfigError(f"{PLANT_LEAK_ENV}={plant!r} is invalid; use outputs or nothing")
         return cls(
+            plant_leak=plant,
             heap_probe_s=heap_probe_s,
             heap_trace_frames=int(trace_raw),
             broadcast=PatchMode.parse(env.get(BROADCAST_ENV, "testbed"), variable=BROADCAST_ENV),

@@ -75,7 +75,8 @@ HEAP_FIGURES = ("heap_in_use_mb", "heap_free_mb")
 
 def heap(pids: Iterable[int], named: Iterable[int] = (), directory: Path = heap_probe.HEAP_DIR) -> dict[str, float]:
     """The C heap of the processes among ``pids`` that run the heap probe (vLLM's, ``node/heap.py``):
-    node sums of bytes in use and of bytes freed but kept, and per process of ``named`` (the
+    node sums of bytes in use, of bytes freed but kept, of Python blocks and of context variables
+    (the known leak's signature, ``heap.ContextVarCount``), and per process of ``named`` (the
     largest, from ``by_process``) as ``heap_in_use_mb/<name>[<pid>]``. Empty without probes.
     RSS growing with ``heap_in_use_mb`` flat is the allocator keeping memory, not a leak."""
     files = heap_probe.read_files(list(pids), directory)
@@ -84,9 +85,11 @@ def heap(pids: Iterable[int], named: Iterable[int] = (), directory: Path = heap_
     figures = {f: sum(v.get(f, 0.0) for v in files.values()) for f in HEAP_FIGURES}
     figures["heap_processes"] = float(len(files))
     figures["python_blocks"] = sum(v.get("python_blocks", 0.0) for v in files.values())
+    figures["context_vars"] = sum(v.get("context_vars", 0.0) for v in files.values())
     for pid in named:
         if pid in files:
-            figures.update({f"{f}/{_name(pid)}[{pid}]": files[pid].get(f, 0.0) for f in HEAP_FIGURES})
+            figures.update({f"{f}/{_name(pid)}[{pid}]": files[pid].get(f, 0.0) for f in (*HEAP_FIGURES, "context_vars")
+                            if f in files[pid]})
     return figures
 
 

@@ -8,7 +8,7 @@ import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
 from vllm_zerocopy_testbed.node import heap
-from vllm_zerocopy_testbed.patches import apply_modes, slowdown, timeline, wiretap
+from vllm_zerocopy_testbed.patches import apply_modes, plant, slowdown, timeline, wiretap
 from vllm_zerocopy_testbed.plugins.log import testbed_logger
 from vllm_zerocopy_testbed.vllm_source import running_line
 
@@ -46,6 +46,8 @@ def register() -> None:
         timeline.install_reader(testbed_logger())
     if role != "other":
         heap.install(role, config.heap_probe_s, trace_frames=config.heap_trace_frames)  # make soak reads it: a leak or the allocator keeping memory
+    if config.plant_leak and role in ("ray-worker", "mp-worker"):
+        plant.install(config.plant_leak)
     if config.broadcast_fault is not None and role == "engine-core":
         slowdown.install(config.broadcast_fault)
     # A Ray worker names its node: on one machine Ray's own "ip=" log tag is not
@@ -54,6 +56,7 @@ def register() -> None:
     traced = " mq-timeline=on" if config.mq_timeline else ""
     # An injected fault is said where the modes are: a slow run never passes for a healthy one.
     fault = f" fault={slowdown.installed()}" if slowdown.installed() else ""
+    fault += f" plant={plant.installed()}" if plant.installed() else ""
     # Which vLLM code runs here (an overlay's version@hash, VLLM=): a report can prove it.
     testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s vllm=%s", os.getpid(), role, modes, node, traced,
                           fault, running_line())
