@@ -98,7 +98,7 @@ faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/discon
 	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
 
 DURATION ?= 30m
-soak: $(E2E_DEPS) ## one cluster, a mixed stream for DURATION (30m): bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget; reports/<run>/soak.{json,md,png}, junit.xml
+soak: $(E2E_DEPS) ## one cluster, a mixed stream: 5 min warm-up, then DURATION (30m) judged: bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget past the known (findings/) growth; reports/<run>/soak.{json,md,png}, junit.xml
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
 
 multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)

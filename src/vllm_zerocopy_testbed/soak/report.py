@@ -18,11 +18,14 @@ PLOTTED = ("rss_mb", "heap_in_use_mb", "heap_free_mb", "fds", "shm_mb", "shm_fil
 
 
 def growth_table(rates: list[Growth]) -> str:
-    lines = ["| node | figure | first | last | growth per hour | budget | |", "|---|---|---|---|---|---|---|"]
+    lines = ["| node | figure | first | last | growth per hour | at least (95%) | of it known | budget (for the rest, "
+             "at least) | |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rates:
         unit = analysis.UNITS[r.metric]
         budgeted = r.budget != float("inf")
-        lines.append(f"| {r.node} | {r.metric} | {r.first:.1f} | {r.last:.1f} | {r.per_hour:+.2f} {unit} | "
+        known = f"{r.known:+.2f} ({r.known_as})" if r.known else ""
+        low = f"{r.low:+.2f}" if r.low is not None else ""
+        lines.append(f"| {r.node} | {r.metric} | {r.first:.1f} | {r.last:.1f} | {r.per_hour:+.2f} {unit} | {low} | {known} | "
                      + (f"{r.budget:g} {unit} | {'pass' if r.ok else '**FAIL**'} |" if budgeted else "none | |"))
     return "\n".join(lines)
 
@@ -52,14 +55,16 @@ def minutes_table(minutes: list[Minute]) -> str:
 def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], minutes: list[Minute],
              verdicts: Verdicts, sample_errors: list[str], processes: list[Growth] = (),
              explaining: list[Growth] = (), process_heap: dict[str, list[Growth]] | None = None,
-             diagnosis: list[str] = ()) -> str:
+             diagnosis: list[str] = (), known: list[str] = ()) -> str:
     failed = sum(not r.ok for r in records)
-    head = [f"# Soak ({meta['duration_s'] / 60:.0f} min, {meta['clients']} clients, {meta['cluster']})", "",
+    head = [f"# Soak ({meta['duration_s'] / 60:g} min judged past a {meta['warmup_s'] / 60:g} min warm-up, "
+            f"{meta['clients']} clients, {meta['cluster']})", "",
             f"Started {meta['started']}; modes: {', '.join(meta['modes']) or 'not logged'}; "
             f"{meta['distinct_requests']} distinct requests; "
             f"vLLM under test: {vllm_line(meta['vllm']) if meta.get('vllm') else '?'}; "
             f"node environment: {meta.get('node_env') or 'none added'}; each node sampled every {meta['sample_s']:.0f} s; "
-            f"growth fitted past the first {meta['warmup_s']:.0f} s (Theil-Sen slope).", "",
+            f"growth fitted past the first {meta['warmup_s']:.0f} s (Theil-Sen slope; a figure fails when the "
+            "lower 95% bound of its slope, less the known growth, passes its budget).", "",
             f"**{'PASS' if verdicts.ok else 'FAIL'}**: {len(records)} requests, {failed} failed.", ""]
     checks = [f"- {v.checker}: {'ok' if v.ok else 'FAIL'}" + _figures(v.figures)
               + ("".join(f"\n  - {p}" for p in v.problems[:10])) for v in verdicts.items]
@@ -71,7 +76,10 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
               process_table(list(processes), heap=process_heap)] if processes else [])
     what = ["", "What the RSS growth is (vLLM processes' heap probes, node/heap.py):", "",
             *(f"- {line}" for line in diagnosis)] if diagnosis else []
-    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table([*rates, *explaining]), *what,
+    known_lines = (["", "Known growth (judged without it; its signature and what it accounts for):", "",
+                    *(f"- {line}" for line in known)] if known else [])
+    return "\n".join([*head, *checks, *errors, "", "## Growth", "", growth_table([*rates, *explaining]), *known_lines,
+                      *what,
                       *where, "",
                       "## Latency per minute", "", minutes_table(minutes), ""])
 
@@ -83,7 +91,9 @@ def _figures(figures: dict[str, float]) -> str:
 def junit(verdicts: Verdicts, rates: list[Growth], seconds: float) -> ET.ElementTree:
     cases = [(v.checker, None if v.ok else "\n".join(v.problems)) for v in verdicts.items]
     cases += [(f"growth {r.node} {r.metric}", None if r.ok else
-               f"{r.per_hour:.2f} {analysis.UNITS[r.metric]}/hour, budget {r.budget:g}") for r in rates]
+               f"{r.per_hour:.2f} {analysis.UNITS[r.metric]}/hour"
+               + (f" ({r.known:.2f} known: {r.known_as})" if r.known else "") + f", budget {r.budget:g}")
+              for r in rates]
     suite = ET.Element("testsuite", name="soak", tests=str(len(cases)), failures=str(sum(m is not None for _, m in cases)),
                        time=f"{seconds:.1f}")
     for name, message in cases:
@@ -133,8 +143,9 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
     processes = analysis.process_growth(samples, warmup_s)
     explaining = analysis.growth(samples, warmup_s, analysis.EXPLAINING)
     process_heap = {k: analysis.process_growth(samples, warmup_s, prefix=f"{k}/")
-                    for k in ("heap_in_use_mb", "heap_free_mb")}
+                    for k in ("heap_in_use_mb", "heap_free_mb", "context_vars")}
     diagnosis = analysis.where_rss_goes(rates, explaining)
+    known = analysis.known_growth(samples, warmup_s)
     minutes = analysis.per_minute(records, began)
     errors = [f"{s.at:.0f} s {s.node}: {s.error}" for s in samples if s.error]
     data = {"meta": meta, "ok": verdicts.ok,
@@ -146,13 +157,14 @@ def write(out: Path, meta: dict[str, Any], records: list[Record], samples: list[
             "process_heap_growth": {k: [{**r.to_json(), "budget_per_hour": None, "ok": None} for r in v]
                                     for k, v in process_heap.items()},
             "where_rss_goes": diagnosis,
+            "known_growth": known,
             "minutes": [m.to_json() for m in minutes],
             "samples": [s.to_json() for s in samples],
             "requests": {"total": len(records), "failed": sum(not r.ok for r in records)}}
     paths = [out / "soak.json", out / "soak.md", out / "junit.xml"]
     paths[0].write_text(json.dumps(data, indent=1))
     paths[1].write_text(markdown(meta, records, rates, minutes, verdicts, errors, processes, explaining, process_heap,
-                                 diagnosis))
+                                 diagnosis, known))
     junit(verdicts, rates, meta["duration_s"]).write(paths[2], encoding="unicode", xml_declaration=False)
     paths.append(plot(out / "soak.png", samples, minutes))
     return paths
