@@ -41,3 +41,33 @@ def test_a_planted_leak_is_checked_like_every_other_setting() -> None:
     assert TestbedConfig.from_env({}).plant_leak == ""
     with pytest.raises(ConfigError, match="TESTBED_PLANT_LEAK='everything' is invalid; use outputs or nothing"):
         TestbedConfig.from_env({"TESTBED_PLANT_LEAK": "everything"})
+
+
+def test_the_onednn_cache_is_counted_from_the_creation_lines_a_process_logs(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from vllm_zerocopy_testbed.node import usage
+
+    lines = "onednn_verbose,v1,primitive,create:cache_miss,cpu,matmul\n" * 5 + "create:cache_hit\n"
+    program = f"import sys, time; sys.stdout.write({lines!r}); sys.stdout.flush(); time.sleep(30)"
+    started = []
+    try:
+        for capacity in ("", "3"):
+            env = {**os.environ, "ONEDNN_VERBOSE": "profile_create", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity}
+            out = (tmp_path / f"worker{capacity}.out").open("w")
+            started.append(subprocess.Popen([sys.executable, "-c", program], stdout=out, env=env))
+        quiet = subprocess.Popen([sys.executable, "-c", program], stdout=(tmp_path / "quiet.out").open("w"))
+        started.append(quiet)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and usage.onednn_cached([started[0].pid]) != {"onednn_cached": 5.0}:
+            time.sleep(0.1)
+        assert usage.onednn_cached([started[0].pid]) == {"onednn_cached": 5.0}
+        assert usage.onednn_cached([p.pid for p in started]) == {"onednn_cached": 8.0}, "5, and 3 at its capacity"
+        assert usage.onednn_cached([quiet.pid]) == {}, "a process that does not log them has no figure"
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(10)

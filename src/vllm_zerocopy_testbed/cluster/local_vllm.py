@@ -187,7 +187,7 @@ class LocalVllmCluster(Cluster):
         for sid in self._head_sessions() if index == 0 else []:
             pids.update(session_pids(sid))
         figures = {**node_usage.processes(sorted(pids)), **node_usage.by_process(pids),
-                   **node_usage.heap(pids, node_usage.largest(pids))}
+                   **node_usage.heap(pids, node_usage.largest(pids)), **node_usage.onednn_cached(pids)}
         if index == 0:
             figures.update(node_usage.shm())
         figures.update(node_usage.object_store(self.ray.address, self.ray.nodes[index].ip))

@@ -93,6 +93,45 @@ def heap(pids: Iterable[int], named: Iterable[int] = (), directory: Path = heap_
     return figures
 
 
+ONEDNN_MISS = b"create:cache_miss"
+ONEDNN_CAPACITY = 1024  # oneDNN's default ONEDNN_PRIMITIVE_CACHE_CAPACITY
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        words = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(w.split(b"=", 1) for w in words if b"=" in w)
+
+
+def onednn_cached(pids: Iterable[int]) -> dict[str, float]:
+    """How many primitives oneDNN's cache holds in each process that logs their creation
+    (``ONEDNN_VERBOSE=profile_create``, which ``make soak`` sets on the nodes it brings up): the
+    ``create:cache_miss`` lines in the file its stdout goes to (a Ray worker's ``.out`` log),
+    capped at the cache's capacity (the process's ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, else 1024:
+    past it, a new primitive replaces one). The node sum as ``onednn_cached``; empty when no
+    process logs them. The signature of a bounded cache that a mixed stream fills slowly
+    (docs/soak.md, "What grows in the first hour")."""
+    total, seen = 0, False
+    for pid in pids:
+        env = _environ(pid)
+        if b"profile_create" not in env.get(b"ONEDNN_VERBOSE", b""):
+            continue
+        try:
+            out = os.readlink(f"/proc/{pid}/fd/1")
+            with open(out, "rb") as stream:
+                misses = sum(line.count(ONEDNN_MISS) for line in stream)
+        except (OSError, ValueError):
+            continue  # gone, or its stdout is not a file
+        try:
+            capacity = int(env.get(b"ONEDNN_PRIMITIVE_CACHE_CAPACITY", b"") or ONEDNN_CAPACITY)
+        except ValueError:
+            capacity = ONEDNN_CAPACITY
+        total, seen = total + min(misses, capacity), True
+    return {"onednn_cached": float(total)} if seen else {}
+
+
 def largest(pids: Iterable[int], top: int = 8, min_mb: float = 50.0) -> list[int]:
     """The ``top`` processes with the most resident memory, at least ``min_mb`` each."""
     sizes = sorted(((_rss_bytes(p) / MiB, p) for p in pids), reverse=True)[:top]
@@ -137,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-ip", default=None, help="this node's Ray address")
     args = parser.parse_args(argv)
     pids = all_pids(exclude=(os.getpid(),))
-    figures = {**processes(pids), **by_process(pids), **heap(pids, largest(pids)), **shm()}
+    figures = {**processes(pids), **by_process(pids), **heap(pids, largest(pids)), **onednn_cached(pids), **shm()}
     if args.gcs and args.node_ip:
         figures.update(object_store(args.gcs, args.node_ip))
     print(json.dumps(figures))

@@ -17,6 +17,7 @@ up and down (``TESTBED_CLUSTER`` picks the backend, as for the e2e suites).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -28,7 +29,7 @@ from vllm_zerocopy_testbed.vllm_source import running
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, E2ERun, parse_duration
+from vllm_zerocopy_testbed.config import NODE_ENV, REPO_ROOT, ClusterSettings, E2ERun, parse_duration
 from vllm_zerocopy_testbed.soak import analysis, report
 from vllm_zerocopy_testbed.soak.analysis import Sample
 from vllm_zerocopy_testbed.workload import catalog
@@ -99,12 +100,20 @@ def _say(start: float, text: str) -> None:
     print(f"[{time.monotonic() - start:7.1f} s] {text}", flush=True)
 
 
+# Set on the nodes a soak brings up: oneDNN logs each primitive it creates, the signature of its
+# cache filling (node/usage.py: onednn_cached). A cluster already up is used as it is.
+SIGNATURE_ENV = "ONEDNN_VERBOSE=profile_create"
+
+
 def run(duration_s: float, out: Path, *, clients: int, sample_s: float, warmup_s: float) -> bool:
     start = time.monotonic()
-    settings = ClusterSettings.from_env()
-    run_settings = E2ERun.from_env(settings)
     cluster = cluster_from_env(up_timeout=900)
     owned = not cluster.is_running()
+    if owned and "ONEDNN_VERBOSE=" not in os.environ.get(NODE_ENV, ""):
+        os.environ[NODE_ENV] = " ".join(filter(None, [os.environ.get(NODE_ENV, "").strip(), SIGNATURE_ENV]))
+        cluster = cluster_from_env(up_timeout=900)
+    settings = ClusterSettings.from_env()
+    run_settings = E2ERun.from_env(settings)
     if owned:
         _say(start, f"soak: bringing up a {type(cluster).__name__} (none is up)")
         cluster.up()

@@ -28,9 +28,9 @@ BUDGETS_PER_HOUR = {"rss_mb": 64.0, "heap_in_use_mb": 64.0, "python_blocks": 500
                     "fds": 10.0, "object_store_mb": 16.0}
 UNITS = {"rss_mb": "MB", "heap_in_use_mb": "MB", "heap_free_mb": "MB", "shm_mb": "MB", "shm_files": "files",
          "fds": "fds", "object_store_mb": "MB", "processes": "processes", "object_store_objects": "objects",
-         "python_blocks": "blocks", "context_vars": "variables"}
+         "python_blocks": "blocks", "context_vars": "variables", "onednn_cached": "primitives"}
 # Fitted and reported beside the budgeted ones, without a budget of their own: where RSS goes.
-EXPLAINING = {"heap_free_mb": float("inf"), "context_vars": float("inf")}
+EXPLAINING = {"heap_free_mb": float("inf"), "context_vars": float("inf"), "onednn_cached": float("inf")}
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,17 @@ KNOWN_GROWTH = (
         cost={"rss_mb": 235.0 / 2**20, "python_blocks": 2.37},
         what="torch's config.patch() leaves a ContextVar per forward pass (vLLM computes its AOT cache key on "
              "every call)"),
+    KnownGrowth(
+        "onednn-primitive-cache", "onednn_cached",
+        # Per primitive, the lower of two measurements (a cost too high would hide other growth):
+        # the soak's own model on the cluster, a stream's first minute (reports/soak-5m-signature:
+        # +372 primitives, +69.9 MB of heap in use on the head; +276, +56.0 MB on the worker:
+        # 0.19-0.20 MB, an upper bound, as other caches fill then too), and an engine in process
+        # (vLLM 0.32.0's oneDNN GEMM, another tiny Llama: 152 lines, +46 MB: 0.30 MB). A bounded
+        # cache, not a leak: its signature stops growing at the capacity (node/usage.py).
+        cost={"heap_in_use_mb": 0.19, "rss_mb": 0.19},
+        what="oneDNN's primitive cache filling, one primitive per new (matrix shape, token count) in vLLM's CPU "
+             "GEMM, up to ONEDNN_PRIMITIVE_CACHE_CAPACITY (1024) per process"),
     KnownGrowth(
         "glibc-kept", "heap_free_mb",
         # Resident but free: memory glibc's heap keeps after the process freed it (fragmentation; its
