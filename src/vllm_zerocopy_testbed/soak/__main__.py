@@ -112,7 +112,7 @@ def run(duration_s: float, out: Path, *, clients: int, sample_s: float, warmup_s
     if owned and "ONEDNN_VERBOSE=" not in os.environ.get(NODE_ENV, ""):
         os.environ[NODE_ENV] = " ".join(filter(None, [os.environ.get(NODE_ENV, "").strip(), SIGNATURE_ENV]))
         cluster = cluster_from_env(up_timeout=900)
-    settings = ClusterSettings.from_env()
+    settings = cluster.settings
     run_settings = E2ERun.from_env(settings)
     if owned:
         _say(start, f"soak: bringing up a {type(cluster).__name__} (none is up)")

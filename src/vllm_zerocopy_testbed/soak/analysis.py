@@ -41,7 +41,7 @@ class KnownGrowth:
     new leak that grows with the same steps is not absorbed). A node's budgeted growth is judged
     without the known part: its signature's rate times the cost."""
 
-    name: str  # findings/<name>
+    name: str  # a finding's folder (findings/<name>) or a cause docs/soak.md names
     signature: str
     cost: dict[str, float]
     what: str
@@ -132,19 +132,18 @@ class Growth:
     first: float
     last: float
     samples: int
-    known: float = 0.0  # per hour, the part a known growth's signature accounts for
-    known_as: str = ""  # its name (findings/<name>)
+    known: float = 0.0  # per hour, the part known growths' signatures account for
+    known_as: str = ""  # their names
     low: float | None = None  # per hour, the slope's lower 95% bound (theil_sen_lower); None: per_hour
 
     @property
-    def unknown(self) -> float:
-        """The growth past what known findings account for."""
-        return self.per_hour - self.known
+    def lower(self) -> float:
+        return self.per_hour if self.low is None else self.low
 
     @property
     def unknown_low(self) -> float:
         """What the samples show at least (95%) past the known part: what the budget judges."""
-        return (self.per_hour if self.low is None else self.low) - self.known
+        return self.lower - self.known
 
     @property
     def ok(self) -> bool:
@@ -154,7 +153,7 @@ class Growth:
         return {"node": self.node, "metric": self.metric, "per_hour": round(self.per_hour, 3),
                 "budget_per_hour": self.budget, "first": round(self.first, 2), "last": round(self.last, 2),
                 "samples": self.samples, "known_per_hour": round(self.known, 3), "known_as": self.known_as,
-                "lower_bound_per_hour": round(self.per_hour if self.low is None else self.low, 3), "ok": self.ok}
+                "lower_bound_per_hour": round(self.lower, 3), "ok": self.ok}
 
 
 def _series(samples: Iterable[Sample], warmup_s: float, metrics: Iterable[str]) -> dict[tuple[str, str], list]:
@@ -168,23 +167,30 @@ def _series(samples: Iterable[Sample], warmup_s: float, metrics: Iterable[str]) 
     return series
 
 
+def _signature_rates(series: dict[tuple[str, str], list], known: Iterable[KnownGrowth]) -> list[tuple[str, KnownGrowth, float]]:
+    """(node, known growth, its signature's rate per hour) for each signature that grew."""
+    rates = [(node, item, theil_sen(points) * 3600.0) for item in known
+             for (node, metric), points in sorted(series.items()) if metric == item.signature]
+    return [(node, item, rate) for node, item, rate in rates if rate > 0]
+
+
 def growth(samples: Iterable[Sample], warmup_s: float, budgets: dict[str, float] = BUDGETS_PER_HOUR,
            known: Iterable[KnownGrowth] = KNOWN_GROWTH) -> list[Growth]:
     """Per node and budgeted metric: the growth rate (per hour) of the samples taken after
     ``warmup_s`` (caches and compiled kernels fill the first minutes), and the part of it the
     ``known`` growths' signatures account for (a node whose samples lack a signature: none). A
     metric a node never reported (a backend that cannot see it) is left out."""
-    samples, known = list(samples), list(known)
+    known = list(known)
     series = _series(samples, warmup_s, [*budgets, *(k.signature for k in known)])
+    signatures = _signature_rates(series, known)
     found = []
     for (node, metric), points in sorted(series.items()):
         if metric not in budgets:
             continue
         rate = Growth(node, metric, theil_sen(points) * 3600.0, budgets[metric], points[0][1], points[-1][1],
                       len(points), low=theil_sen_lower(points) * 3600.0)
-        for item in known:
-            signature = series.get((node, item.signature))
-            part = item.explains(theil_sen(signature) * 3600.0, metric) if signature else 0.0
+        for where, item, per_hour in signatures:
+            part = item.explains(per_hour, metric) if where == node else 0.0
             if part > 0:
                 rate.known += part
                 rate.known_as = ", ".join(filter(None, [rate.known_as, item.name]))
@@ -195,18 +201,12 @@ def growth(samples: Iterable[Sample], warmup_s: float, budgets: dict[str, float]
 def known_growth(samples: Iterable[Sample], warmup_s: float,
                  known: Iterable[KnownGrowth] = KNOWN_GROWTH) -> list[str]:
     """One line per node and known growth whose signature grew: its rate and what it accounts for."""
-    samples, known = list(samples), list(known)
-    series = _series(samples, warmup_s, [k.signature for k in known])
+    known = list(known)
     lines = []
-    for item in known:
-        for (node, metric), points in sorted(series.items()):
-            rate = theil_sen(points) * 3600.0 if metric == item.signature else 0.0
-            if rate <= 0:
-                continue
-            parts = ", ".join(f"{metric_} {item.explains(rate, metric_):+.1f} {UNITS[metric_]}/hour"
-                              for metric_ in item.cost)
-            lines.append(f"{node}: {item.name} (known: {item.what}): {item.signature} {rate:+,.0f}/hour, "
-                         f"accounts for {parts}")
+    for node, item, rate in _signature_rates(_series(samples, warmup_s, [k.signature for k in known]), known):
+        parts = ", ".join(f"{metric} {item.explains(rate, metric):+.1f} {UNITS[metric]}/hour" for metric in item.cost)
+        lines.append(f"{node}: {item.name} (known: {item.what}): {item.signature} {rate:+,.0f}/hour, "
+                     f"accounts for {parts}")
     return lines
 
 

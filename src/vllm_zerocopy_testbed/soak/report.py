@@ -24,7 +24,7 @@ def growth_table(rates: list[Growth]) -> str:
         unit = analysis.UNITS[r.metric]
         budgeted = r.budget != float("inf")
         known = f"{r.known:+.2f} ({r.known_as})" if r.known else ""
-        low = f"{r.low:+.2f}" if r.low is not None else ""
+        low = f"{r.lower:+.2f}"
         lines.append(f"| {r.node} | {r.metric} | {r.first:.1f} | {r.last:.1f} | {r.per_hour:+.2f} {unit} | {low} | {known} | "
                      + (f"{r.budget:g} {unit} | {'pass' if r.ok else '**FAIL**'} |" if budgeted else "none | |"))
     return "\n".join(lines)
