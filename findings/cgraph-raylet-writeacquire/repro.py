@@ -156,25 +156,47 @@ def main() -> int:
     return 0
 
 
-def _shm_files() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _run_sems(marker: bytes) -> set[str]:
+    """The semaphores in /dev/shm that this run's processes map now: this one, and every process
+    whose environment names our RAY_TMPDIR (Ray's, started for this run). Another run's stay."""
+    names: set[str] = set()
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            if int(pid) != os.getpid():
+                with open(f"/proc/{pid}/environ", "rb") as env:
+                    if marker not in env.read().split(b"\0"):
+                        continue
+            with open(f"/proc/{pid}/maps", "rb") as maps:
+                for line in maps:
+                    at = line.find(b"/dev/shm/sem.")
+                    if at >= 0:
+                        names.add(line[at + len(b"/dev/shm/"):].split()[0].decode(errors="replace"))
+        except OSError:
+            continue
+    return names
+
+
+def _record_sems(marker: bytes, seen: set[str], stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        seen |= _run_sems(marker)
 
 
 if __name__ == "__main__":
-    # Ray's session files go to a folder of this run; what its object stores leave in /dev/shm
-    # (semaphores) during the run is removed.
+    # Ray's session files go to a folder of this run; the semaphores its processes leave in /dev/shm
+    # are removed: those this run's processes mapped (recorded while they live), no other run's.
     TEMP = tempfile.mkdtemp(prefix="ray-repro-")
     os.environ["RAY_TMPDIR"] = TEMP
-    before = _shm_files()
+    marker, seen, stop = f"RAY_TMPDIR={TEMP}".encode(), set(), threading.Event()
+    threading.Thread(target=_record_sems, args=(marker, seen, stop), daemon=True).start()
     try:
         code = main()
     finally:
-        for name in _shm_files() - before:
-            if name.startswith("sem."):
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
+        stop.set()
+        for name in seen | _run_sems(marker):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
         shutil.rmtree(TEMP, ignore_errors=True)
     sys.stdout.flush()
     os._exit(code)

@@ -20,7 +20,7 @@ import tempfile
 import pytest
 
 from vllm_zerocopy_testbed.cluster.process import kill_session
-from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+from vllm_zerocopy_testbed.cluster.shm import ShmClaim
 from vllm_zerocopy_testbed.config import INFLIGHT_ENV, PatchMode
 from vllm_zerocopy_testbed.harness import cgraph_deadlock
 
@@ -32,7 +32,7 @@ GET_TIMEOUT_S = 5
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    shm = ShmSnapshot.take()
+    shm = ShmClaim.take()  # what the script's processes leave in /dev/shm, theirs only
     # os._exit and SIGKILL skip multiprocessing's finalizers: each run left a /tmp/pymp-* directory
     # (a listener socket). The script gets a temporary directory of its own, removed below; Ray's
     # session files stay where Ray puts them (RAY_TMPDIR wins over TMPDIR).
@@ -40,13 +40,15 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     cmd = [sys.executable, cgraph_deadlock.__file__, "--timeout", str(GET_TIMEOUT_S), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={"RAY_TMPDIR": tempfile.gettempdir(), **os.environ, **(env or {}),
-                                 "TMPDIR": private_tmp}, start_new_session=True)
+                                 "TMPDIR": private_tmp, **shm.env}, start_new_session=True)
+    shm.watch(interval=0.5)
     try:
         out, err = proc.communicate(timeout=180)
     finally:
         # The script ends with os._exit (a deadlocked graph does not tear down); the Ray
         # processes of its Cluster stay in its session (Ray's agents for ~60 s) and leave
         # their channel semaphores in /dev/shm.
+        shm.record()
         left = kill_session(proc.pid)
         proc.kill()
         proc.wait(timeout=10)
@@ -97,10 +99,11 @@ finally:
 
 def test_one_ray_node_keeps_vllms_pipelining(tmp_path) -> None:
     """PP x TP compiled graphs on one Ray node have no raylet hop and no deadlock: no cap there."""
-    shm = ShmSnapshot.take()
+    shm = ShmClaim.take()
     # ray.init of a new local cluster writes ~/.ray/auth_token; with that file in the user's home,
     # later `ray start` nodes fail to join (InvalidAuthToken): the subprocess gets a home of its own.
-    env = {**os.environ, "HOME": str(tmp_path)}
+    env = {**os.environ, "HOME": str(tmp_path), **shm.env}
+    shm.watch(interval=0.5)
     try:
         proc = subprocess.run([sys.executable, "-c", ONE_NODE], capture_output=True, text=True, timeout=120,
                               env=env)

@@ -31,7 +31,7 @@ import requests
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.checker.transport import sends
-from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
+from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend
 from vllm_zerocopy_testbed.model import ARENA_SPEC
 from vllm_zerocopy_testbed.workload.embeds import token_ids
@@ -79,7 +79,7 @@ class ServerRun:
 def _serve(name: str, *, tp: int, arena: bool, env: dict[str, str]) -> ServerRun:
     args = SERVE_ARGS + (" --enable-shm-tensor-arena" if arena else "")
     settings = ClusterSettings.from_env({**SETTINGS.values, **ARENA_SETTINGS, "TESTBED_SERVE_ARGS": args})
-    server = ReferenceServer(settings, spec=ARENA_SPEC, port=REFERENCE_PORT + 2, tp=tp, env=env,
+    server = ReferenceServer(settings, spec=ARENA_SPEC, tp=tp, env=env,
                              name=f"{name.replace('/', ' ')} server")
     with server:
         runner = Runner(server.base_url, settings["TESTBED_SERVED_MODEL"], History(), name, REQUEST_TIMEOUT_S)

@@ -37,7 +37,7 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeline, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
-from vllm_zerocopy_testbed.cluster.reference import PORT as REFERENCE_PORT, ReferenceServer
+from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
                        STRUCTURED_UNMET, LiveCluster, Reference, judge)
@@ -81,7 +81,7 @@ def structured_reference(request: pytest.FixtureRequest) -> dict[str, Record]:
         logs = ""
     else:
         settings = ClusterSettings.from_env({**SETTINGS.values, **STRUCTURED_SETTINGS})
-        with ReferenceServer(settings, port=REFERENCE_PORT + 1) as server:
+        with ReferenceServer(settings) as server:
             runner = Runner(server.base_url, SETTINGS["TESTBED_SERVED_MODEL"], HISTORY, "reference", REQUEST_TIMEOUT_S)
             records = runner.run("structured-reference", SPECS, concurrency=8)
             logs = server.logs(40)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,11 +18,21 @@ from typing import Iterator, Mapping, Sequence
 
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
-from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+from vllm_zerocopy_testbed.cluster.shm import ShmClaim
 from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 
 logger = logging.getLogger(__name__)
+
+
+def _user() -> str:
+    """The name torch gives its default compile cache folder (``torchinductor_<user>``)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
 
 
 class ApiServerProcess:
@@ -31,13 +43,24 @@ class ApiServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
         self._paused = False
-        self._stores: ShmSnapshot | None = None  # taken at start: the file stores already there
+        self.shm: ShmClaim | None = None  # taken at start: what /dev/shm held before, and our token
+        self.tmp: Path | None = None  # the server's own temp directory
 
     def start(self, argv: Sequence[str], env: Mapping[str, str]) -> None:
-        self._stores = ShmSnapshot.file_stores()
+        """Start the server in a session of its own. Its processes carry our claim's token (what they
+        leave in /dev/shm is ours to remove, nothing else) and a temp directory of their own: vLLM's
+        multiprocessing rendezvous (``vllm_dist_*``), its IPC sockets and multiprocessing's ``pymp-*``
+        go there and with it at ``stop``. Torch's compile cache stays where it was shared."""
+        self.shm = ShmClaim.take()
+        self.tmp = Path(tempfile.mkdtemp(prefix="tbs", dir="/tmp"))  # short: unix socket paths
+        shared_cache = {"TORCHINDUCTOR_CACHE_DIR": env.get("TORCHINDUCTOR_CACHE_DIR")
+                        or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                        or str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")}
+        env = {**env, **shared_cache, "TMPDIR": str(self.tmp), "VLLM_RPC_BASE_PATH": str(self.tmp), **self.shm.env}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=dict(env),
+            self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        self.shm.watch()
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -78,16 +101,21 @@ class ApiServerProcess:
                 self.pause()
 
     def stop(self) -> None:
-        """Stop the group (bounded: SIGTERM, a grace period, SIGKILL) and remove the file store its
-        executor left (``vllm_dist_*``)."""
+        """Stop the group (bounded: SIGTERM, a grace period, SIGKILL), then remove what it left in
+        /dev/shm and its temp directory (the executor's file store ``vllm_dist_*`` among it)."""
+        if self.shm is not None:
+            self.shm.record()  # what it holds now: SIGKILL leaves it behind
         self.resume()  # a stopped process acts on SIGTERM only once continued
         stop_group(self.proc)
-        if self._stores is not None:
-            self._stores.remove_new()
+        if self.shm is not None:
+            self.shm.remove_new()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def leftover(self) -> list[str]:
         running = [f"{self.name} pid {self.proc.pid} still running"] if self.running() else []
-        return running + (self._stores.paths() if self._stores is not None else [])
+        tmp = [str(self.tmp)] if self.tmp is not None and self.tmp.exists() else []
+        return running + (self.shm.paths() if self.shm is not None else []) + tmp
 
     def logs(self, tail: int | None = None) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []

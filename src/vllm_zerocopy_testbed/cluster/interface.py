@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from abc import ABC, abstractmethod
 
@@ -19,6 +20,14 @@ class ClusterStartError(RuntimeError):
 
 class Unsupported(NotImplementedError):
     """A backend cannot do this (e.g. cut a loopback node off its network): the test says so and skips."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the kernel's pick). A server we start there
+    fails its start if another took it meanwhile: its log says so."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 class Service(ABC):

@@ -21,15 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session
-from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
+from vllm_zerocopy_testbed.cluster.shm import ShmClaim
 from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.node import ray_nodes
 from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 
 logger = logging.getLogger(__name__)
 SESSION_ENV = "TESTBED_RAY_SESSION"
+LOCK = "local-ray"  # locks.py: who owns the fixed addresses and ports below
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class LocalRayCluster:
         self._logs: list[Path] = []
         self._workdir: Path | None = None
         self._last_workdir: str | None = None
-        self._shm: ShmSnapshot | None = None  # taken at start: what /dev/shm held before us
+        self._shm: ShmClaim | None = None  # taken at start: what /dev/shm held before us, our token
 
     @property
     def address(self) -> str:
@@ -98,7 +100,17 @@ class LocalRayCluster:
 
     def start(self) -> None:
         """Start every node and wait (bounded) until all are alive."""
-        self._shm = ShmSnapshot.take()
+        # The nodes' addresses and ports are fixed (and the local backend's API port): one local
+        # cluster per machine at a time. Another run's: a clear error now, not a port clash later.
+        if not locks.hold(LOCK):
+            raise ClusterStartError(f"the local Ray cluster's addresses and ports (127.0.0.2-5, {_CLIENT_SERVER_PORT}-"
+                                    f"{24000 + 1000 * len(self.nodes) - 1}) are in use by another run on this machine "
+                                    f"({locks.holder(LOCK)}): one local cluster at a time; wait for it to end")
+        # What the nodes' processes (and their workers: they inherit the token) hold in /dev/shm is
+        # recorded while they live; only that is removed at stop.
+        self._shm = ShmClaim.take()
+        self.env.update(self._shm.env)
+        self._shm.watch()
         # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
         self._workdir = Path(tempfile.mkdtemp(prefix="rtb", dir="/tmp"))
         self._last_workdir = str(self._workdir)
@@ -164,6 +176,8 @@ class LocalRayCluster:
     def kill_node(self, index: int) -> None:
         """SIGKILL every process of node ``index`` at once (a lost host)."""
         proc = self._procs[index]
+        if self._shm is not None:
+            self._shm.record()  # what it holds: SIGKILL leaves it behind
         signal_session(proc.pid, signal.SIGKILL)
         try:
             proc.wait(timeout=10)
@@ -204,6 +218,8 @@ class LocalRayCluster:
         # SIGTERM to the `ray start --block` leader only: it stops its children
         # in ~3 s, while a group-wide SIGTERM is ignored by gcs_server and others.
         # A paused node (a nemesis) acts on it only once continued.
+        if self._shm is not None:
+            self._shm.record()  # what our processes hold: what a kill leaves behind
         for proc in self._procs:
             signal_session(proc.pid, signal.SIGCONT)
         for proc in reversed(self._procs):

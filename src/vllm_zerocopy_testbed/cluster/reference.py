@@ -11,15 +11,13 @@ from dataclasses import replace
 from typing import ContextManager
 
 from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
-from vllm_zerocopy_testbed.cluster.interface import Service
+from vllm_zerocopy_testbed.cluster.interface import Service, free_port
 from vllm_zerocopy_testbed.node.serve import serve_argv
-from vllm_zerocopy_testbed.cluster.shm import ShmSnapshot
 from vllm_zerocopy_testbed.node.warmup import warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir, spec_for
 
 HOST = "127.0.0.1"
-PORT = 8021
 
 
 class ReferenceServer(Service):
@@ -27,20 +25,19 @@ class ReferenceServer(Service):
     vLLM's multiprocessing executor with that TP on this host (tests/e2e/test_arena.py)."""
 
     def __init__(self, settings: ClusterSettings | None = None, up_timeout: float = 600.0,
-                 spec: TinyModelSpec | None = None, port: int = PORT, tp: int = 1,
+                 spec: TinyModelSpec | None = None, port: int | None = None, tp: int = 1,
                  env: dict[str, str] | None = None, name: str = "reference server") -> None:
         """``spec``: the model variant the cluster serves (the node image builds the same ones; by
         default the one ``TESTBED_MODEL`` names there);
-        ``port``: another than the e2e session's reference (which stays up) for a second one;
+        ``port``: a free one unless named: two runs on one machine each have their own (issue 46);
         ``env``: more environment for the server's processes (``TESTBED_ARENA=upstream``)."""
         self.settings = settings or ClusterSettings.from_env()
-        self.port = port
+        self.port = port or free_port(HOST)
         self.spec = spec or spec_for(self.settings["TESTBED_MODEL"])
         self.tp = tp
         self.env = env or {}
         self.up_timeout = up_timeout
         self._server = ApiServerProcess(name, f"testbed-{name.replace(' ', '-')}-")
-        self._shm = ShmSnapshot.take()
 
     @property
     def base_url(self) -> str:
@@ -80,14 +77,13 @@ class ReferenceServer(Service):
         return self._server.awake()
 
     def down(self) -> None:
-        """Stop the server's process group (bounded) and remove the /dev/shm files and the
-        executor's file store it left."""
+        """Stop the server's process group (bounded) and remove the /dev/shm files and the temp
+        directory (the executor's file store) it left: its own only (``ApiServerProcess``)."""
         self._server.stop()
-        self._shm.remove_new()
 
     def leftovers(self) -> list[str]:
-        """Return what the server left behind after ``down``: its process, /dev/shm files, file stores."""
-        return self._server.leftover() + self._shm.paths()
+        """Return what the server left behind after ``down``: its process, /dev/shm files, temp directory."""
+        return self._server.leftover()
 
     def logs(self, tail: int | None = None) -> str:
         return self._server.logs(tail)
