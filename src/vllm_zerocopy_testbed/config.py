@@ -210,6 +210,11 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 DEVICE_PROFILE_ENV = "TESTBED_PROFILE"
 DEVICE_PROFILES = ("cpu", "gpu")
+# Compose instance n (issue 46: runs side by side): a project, published ports and a network of its
+# own, derived from compose/.env's (instance 0 is .env as it is). A run whose project another live run
+# holds takes the next free instance by itself (cluster/compose.py: claim) unless TESTBED_INSTANCE names one.
+INSTANCE_ENV = "TESTBED_INSTANCE"
+MAX_INSTANCES = 10
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,7 @@ class ClusterSettings:
         TestbedConfig.from_env(merged)
         settings.executor
         settings.node_env
+        settings.instance_values
         return settings
 
     @property
@@ -261,8 +267,57 @@ class ClusterSettings:
         return self.values[key]
 
     @property
+    def instance(self) -> int:
+        """Which compose instance (0: compose/.env's project, ports and network as they are)."""
+        raw = self.values.get(INSTANCE_ENV, "") or "0"
+        if not raw.isdigit() or int(raw) >= MAX_INSTANCES:
+            raise ConfigError(f"{INSTANCE_ENV}={raw!r} is invalid; use 0 to {MAX_INSTANCES - 1} (a compose project, "
+                              "ports and network of its own per number)")
+        return int(raw)
+
+    def for_instance(self, instance: int) -> "ClusterSettings":
+        """The same settings on compose instance ``instance``."""
+        return ClusterSettings({**self.values, INSTANCE_ENV: str(instance)})
+
+    @property
+    def instance_values(self) -> dict[str, str]:
+        """What the instance changes: the compose project, the published ports, the network's subnet
+        (``a.b.c``; the head is ``a.b.c.10``). Instance n > 0: ``<project>-n``, ports + 100 n, the
+        third number + 20 + n (172.29.98 for the first: clear of tests/multihost's 172.29.79)."""
+        n = self.instance
+        # Inside a node (no compose/.env) these are compose's, passed or not: .env's defaults then.
+        project = self.values.get("COMPOSE_PROJECT_NAME", "zerocopy-testbed")
+        subnet = self.values.get("TESTBED_SUBNET", "172.29.77")
+        if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", subnet) or int(subnet.split(".")[2]) + 20 + MAX_INSTANCES > 255:
+            raise ConfigError(f"TESTBED_SUBNET={subnet!r} is invalid: the first three numbers of a /24, e.g. 172.29.77 "
+                              f"(its third at most {255 - 20 - MAX_INSTANCES}: instances add 20 + n)")
+        for key in ("API_PORT", "DASHBOARD_PORT"):
+            if not self.values.get(key, "0").isdigit():
+                raise ConfigError(f"{key}={self.values[key]!r} is not a port number")
+        api, dashboard = int(self.values.get("API_PORT", "8000")), int(self.values.get("DASHBOARD_PORT", "8265"))
+        if n:
+            a, b, c = subnet.split(".")
+            project, subnet = f"{project}-{n}", f"{a}.{b}.{int(c) + 20 + n}"
+            api, dashboard = api + 100 * n, dashboard + 100 * n
+        # Without the dashboard (the default), nothing listens there: Docker picks the host port (empty),
+        # so that another Ray on the host (a component run's, on 8265) never stops the head's start.
+        dashboard_on = self.values.get("TESTBED_DASHBOARD", "0") == "1"
+        return {"COMPOSE_PROJECT_NAME": project, "API_PORT": str(api),
+                "DASHBOARD_PORT": str(dashboard) if dashboard_on else "", "TESTBED_SUBNET": subnet}
+
+    @property
+    def compose_env(self) -> dict[str, str]:
+        """The values with the instance's project, ports and network: what compose is run with."""
+        return {**self.values, **self.instance_values}
+
+    @property
     def project(self) -> str:
-        return self.values["COMPOSE_PROJECT_NAME"]
+        return self.instance_values["COMPOSE_PROJECT_NAME"]
+
+    @property
+    def head_ip(self) -> str:
+        """The head container's address on the compose network (fixed in compose.yaml)."""
+        return f"{self.instance_values['TESTBED_SUBNET']}.10"
 
     @property
     def device_profile(self) -> str:
@@ -305,7 +360,7 @@ class ClusterSettings:
 
     @property
     def api_port(self) -> int:
-        return int(self.values["API_PORT"])
+        return int(self.instance_values["API_PORT"])
 
     @property
     def base_url(self) -> str:

