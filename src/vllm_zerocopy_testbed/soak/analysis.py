@@ -243,7 +243,9 @@ def where_rss_goes(rates: list[Growth], explaining: list[Growth]) -> list[str]:
                          "no vLLM process sampled): a leak and memory the allocator keeps look alike")
             continue
         rest = rss.per_hour - in_use.per_hour - kept.per_hour
-        cause = ("memory in use grows: a leak" if in_use.per_hour > in_use.budget else
+        cause = ("memory in use grows: a leak" if not in_use.ok else
+                 f"memory in use grows, but no more than the known growth ({in_use.known_as or 'none'}) and the "
+                 "samples' spread allow: heap_in_use_mb passes" if in_use.per_hour > in_use.budget else
                  "freed memory kept by glibc's heap, not a leak" if kept.per_hour >= rest else
                  "outside the C heap (Python objects, mappings): see python_blocks")
         lines.append(f"{rss.node}: RSS {rss.per_hour:+.0f} MB/hour = heap in use {in_use.per_hour:+.0f} + freed but "
