@@ -8,6 +8,7 @@ bounded wait for ``/health`` that ends early when the server exits, the same sto
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import os
 import shutil
@@ -25,14 +26,16 @@ from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 logger = logging.getLogger(__name__)
 
 
-def _user() -> str:
-    """The name torch gives its default compile cache folder (``torchinductor_<user>``)."""
-    import getpass
-
+def _compile_cache(env: Mapping[str, str]) -> str:
+    """Torch's compile cache as the server would find it under the shared temp directory (torch's own
+    default, ``<tmp>/torchinductor_<user>``): the server's own TMPDIR must not move it."""
+    if env.get("TORCHINDUCTOR_CACHE_DIR"):
+        return env["TORCHINDUCTOR_CACHE_DIR"]
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry: torch says uid_<n>
+        user = f"uid_{os.getuid()}"
+    return str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
 
 
 class ApiServerProcess:
@@ -53,10 +56,8 @@ class ApiServerProcess:
         go there and with it at ``stop``. Torch's compile cache stays where it was shared."""
         self.shm = ShmClaim.take()
         self.tmp = Path(tempfile.mkdtemp(prefix="tbs", dir="/tmp"))  # short: unix socket paths
-        shared_cache = {"TORCHINDUCTOR_CACHE_DIR": env.get("TORCHINDUCTOR_CACHE_DIR")
-                        or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                        or str(Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")}
-        env = {**env, **shared_cache, "TMPDIR": str(self.tmp), "VLLM_RPC_BASE_PATH": str(self.tmp), **self.shm.env}
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": _compile_cache(env), "TMPDIR": str(self.tmp),
+               "VLLM_RPC_BASE_PATH": str(self.tmp), **self.shm.env}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

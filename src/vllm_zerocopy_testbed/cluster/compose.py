@@ -193,8 +193,8 @@ class ComposeCluster(Cluster):
         return [f"container {c}" for c in containers if c.strip()] + [f"network {n}" for n in networks]
 
     def serves(self, settings: dict[str, str]) -> bool:
-        """Whether our project is up and healthy with the head started under ``settings``."""
-        self.claim()
+        """Whether our project is up and healthy with the head started under ``settings`` (``is_running``
+        claims the project first)."""
         if not self.is_running():
             return False
         heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]

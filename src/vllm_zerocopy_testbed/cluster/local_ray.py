@@ -24,13 +24,12 @@ from typing import Mapping
 from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session
-from vllm_zerocopy_testbed.cluster.shm import ShmClaim
+from vllm_zerocopy_testbed.cluster.shm import ShmClaim, owner_pids
 from vllm_zerocopy_testbed.config import process_env
 from vllm_zerocopy_testbed.node import ray_nodes
 from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 
 logger = logging.getLogger(__name__)
-SESSION_ENV = "TESTBED_RAY_SESSION"
 LOCK = "local-ray"  # locks.py: who owns the fixed addresses and ports below
 
 
@@ -84,7 +83,6 @@ class LocalRayCluster:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Path] = []
         self._workdir: Path | None = None
-        self._last_workdir: str | None = None
         self._shm: ShmClaim | None = None  # taken at start: what /dev/shm held before us, our token
 
     @property
@@ -106,16 +104,14 @@ class LocalRayCluster:
             raise ClusterStartError(f"the local Ray cluster's addresses and ports (127.0.0.2-5, {_CLIENT_SERVER_PORT}-"
                                     f"{24000 + 1000 * len(self.nodes) - 1}) are in use by another run on this machine "
                                     f"({locks.holder(LOCK)}): one local cluster at a time; wait for it to end")
-        # What the nodes' processes (and their workers: they inherit the token) hold in /dev/shm is
-        # recorded while they live; only that is removed at stop.
+        # Every process of our nodes (and their workers) inherits the claim's token: how stop() and
+        # leftovers() find ours, and only ours, and what they hold in /dev/shm is recorded while they
+        # live; only that is removed at stop.
         self._shm = ShmClaim.take()
         self.env.update(self._shm.env)
         self._shm.watch()
         # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
         self._workdir = Path(tempfile.mkdtemp(prefix="rtb", dir="/tmp"))
-        self._last_workdir = str(self._workdir)
-        # Every process of the session inherits this: how leftovers() finds ours, and only ours.
-        self.env[SESSION_ENV] = self._last_workdir
         self._logs = []
         try:
             for index, node in enumerate(self.nodes):
@@ -251,23 +247,14 @@ class LocalRayCluster:
             self._shm.remove_new()
 
     def _session_processes(self) -> dict[int, str]:
-        """PID -> command line of every live process whose environment names our Ray session."""
+        """PID -> command line of every live process of ours (Ray renames its workers' command lines;
+        their environment still carries our claim's token)."""
         found: dict[int, str] = {}
-        if not self._last_workdir:
-            return found
-        # Ray renames its workers' command lines; their environment still names our session.
-        marker = f"{SESSION_ENV}={self._last_workdir}".encode()
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
+        for pid in owner_pids(self._shm.token) if self._shm is not None else []:
             try:
-                ours = marker in (proc / "environ").read_bytes().split(b"\0")
-                zombie = "State:\tZ" in (proc / "status").read_text()
-                title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:  # gone meanwhile, or not ours to read
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile
                 continue
-            if ours and not zombie:
-                found[int(proc.name)] = title
         return found
 
     def _kill_session_processes(self, timeout: float) -> None:
