@@ -182,3 +182,81 @@ def test_unmet_requirements_are_named_and_cuda_only_ones_left_out() -> None:
         'orjson; python_version < "3"', "not a requirement !!"])
     assert unmet == ["no-such-dist-for-the-testbed (missing)", f"pyzmq<1 ({version('pyzmq')} installed)"]
     assert "2 of its requirements not met" in vllm_source.requirements_note(unmet)
+
+
+def _wheel(folder: Path, name: str, version: str = "1.0") -> Path:
+    """A real, minimal pure-Python wheel of ``name`` (a module that says its version)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name.replace('-', '_')}.py", f"VERSION = {version!r}\n")
+        archive.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        archive.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
+
+
+def test_requirements_missing_here_are_installed_beside_the_overlay_and_staged_for_the_image(
+        tmp_path, monkeypatch) -> None:
+    """Real pip, from a local folder only: what the code needs and this venv lacks goes into the
+    overlay's deps/site (a child imports it), a requirement met by another version stays unmet
+    (nothing installed is replaced), and the image gets the wheels."""
+    _wheel(tmp_path / "index", "testbed-probe-dist", "1.5")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
+    root = _checkout(tmp_path / "co")
+    (root / "requirements").mkdir()
+    (root / "requirements/common.txt").write_text("testbed-probe-dist>=1\npyzmq<1  # installed: not replaced\n")
+    overlay = prepare(str(root), cache=tmp_path / "cache")
+    assert overlay.installed == ["testbed-probe-dist==1.5"]
+    assert [u.split(" ")[0] for u in overlay.unmet] == ["pyzmq<1"]
+    assert "installed for it: testbed-probe-dist==1.5" in overlay.describe()
+    proc = subprocess.run([sys.executable, "-c", "import testbed_probe_dist as m; print(m.VERSION)"],
+                          env=overlay.env(), capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "1.5", proc.stderr
+    stage = tmp_path / "stage"
+    vllm_source.stage_for_image(stage, overlay)
+    assert [p.name for p in (stage / "wheels").iterdir()] == ["testbed_probe_dist-1.5-py3-none-any.whl"]
+    # Not installable: named, with pip's reason, and nothing half installed.
+    (root / "requirements/common.txt").write_text("testbed-probe-dist>=2\n")
+    overlay = prepare(str(root), cache=tmp_path / "cache")
+    assert overlay.installed == [] and not (Path(overlay.path) / vllm_source.DEPS).exists()
+    assert overlay.unmet[0].startswith("testbed-probe-dist (missing; pip cannot add them")
+
+
+def test_code_that_cannot_serve_here_is_refused_before_any_cluster(tmp_path, monkeypatch) -> None:
+    """A checkout whose C++ changed since the base release, and a CPU platform that needs triton-cpu
+    on x86: the component suites may run it, a server may not (one line, before anything starts)."""
+    import platform
+
+    base = vllm_source.installed_version()
+    root = _checkout(tmp_path / "co")
+    (root / "csrc").mkdir()
+    (root / "csrc/kernel.cpp").write_text("int f() { return 1; }\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "base")
+    _git(root, "tag", f"v{base}")
+    monkeypatch.setenv(vllm_source.VLLM_ENV, str(root))
+    assert vllm_source.for_server() is not None
+    (root / "csrc/kernel.cpp").write_text("int f() { return 2; }\n")
+    with pytest.raises(VllmSourceError, match=r"no server: its C\+\+/CUDA changed since v.* \(1 files\)"):
+        vllm_source.for_server()
+    (root / "csrc/kernel.cpp").write_text("int f() { return 1; }\n")
+    (root / "vllm/platforms").mkdir()
+    (root / "vllm/platforms/cpu.py").write_text('raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")\n')
+    if platform.machine() == "x86_64":
+        with pytest.raises(VllmSourceError, match="requires triton-cpu on x86"):
+            vllm_source.for_server()
+
+
+def test_a_wheel_for_another_platform_is_refused(tmp_path) -> None:
+    wheel = tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_aarch64.whl"
+    wheel.write_bytes(b"")
+    other = "x86_64" if sys.platform == "linux" and __import__("platform").machine() == "aarch64" else "aarch64"
+    wheel = wheel.rename(tmp_path / f"vllm-0.34.0-cp38-abi3-manylinux_2_28_{other}.whl")
+    with pytest.raises(VllmSourceError, match=f"a wheel for manylinux_2_28_{other}, not for this machine"):
+        prepare(str(wheel), cache=tmp_path / "cache")

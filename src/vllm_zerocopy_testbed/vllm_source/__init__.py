@@ -207,32 +207,129 @@ def _checkout_requires(root: Path) -> list[str]:
 
 
 # Needed by a CUDA build only: a CPU run neither has nor needs them.
+# The CUDA wheel's Requires-Dist is common.txt plus cuda.txt; these are cuda.txt's own (0.26-0.34;
+# tilelang, nvtx, fastsafetensors, instanttensor, tokenspeed-mla, humming-kernels arrived in 0.33).
 _GPU_ONLY = re.compile(r"^(nvidia-.*|cupy.*|flashinfer.*|pynvvideocodec|torchaudio|torchvision|torchcodec|triton.*|"
-                       r"apache-tvm-ffi|deep-gemm|quack-kernels|xformers|nixl.*|cuda-.*)$")
+                       r"apache-tvm-ffi|deep-gemm|quack-kernels|xformers|nixl.*|cuda-.*|tilelang|nvtx|"
+                       r"fastsafetensors|instanttensor|tokenspeed-mla|humming-kernels)$")
 
 
-def unmet_requirements(lines: list[str]) -> list[str]:
-    """The requirements (no extras; markers for this interpreter) this environment does not satisfy."""
+def _requirements(lines: list[str]) -> list:
+    """The parsed requirements that apply to a CPU run of this interpreter (markers evaluated, no extras)."""
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
 
-    unmet = []
+    found = []
     for line in lines:
         try:
             req = Requirement(line)
         except InvalidRequirement:
             continue
-        name = canonicalize_name(req.name)
-        if _GPU_ONLY.match(name) or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+        if _GPU_ONLY.match(canonicalize_name(req.name)) or (
+                req.marker is not None and not req.marker.evaluate({"extra": ""})):
             continue
+        found.append(req)
+    return found
+
+
+def unmet_requirements(lines: list[str], beside: tuple[list[str], str] = ([], "")) -> list[str]:
+    """The requirements (no extras; markers for this interpreter) this environment does not satisfy.
+    ``beside``: what ``install_requirements`` installed beside it (those are met) and why it could not."""
+    installed, why = beside
+    added = {canonical(pin.partition("==")[0]) for pin in installed}
+    unmet = []
+    for req in _requirements(lines):
         try:
             have = dist_version(req.name)
         except PackageNotFoundError:
-            unmet.append(f"{req.name} (missing)")
+            if canonical(req.name) not in added:
+                unmet.append(f"{req.name} (missing{'; ' + why if why else ''})")
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             unmet.append(f"{req.name}{req.specifier} ({have} installed)")
     return unmet
+
+
+def missing_requirements(lines: list[str]) -> list[str]:
+    """The requirements whose distribution is not installed at all, as ``name<specifier>``: the ones an
+    overlay can add beside this environment without replacing what it has (a torch, say, that the
+    compiled parts were built against)."""
+    missing = []
+    for req in _requirements(lines):
+        try:
+            dist_version(req.name)
+        except PackageNotFoundError:
+            missing.append(f"{req.name}{req.specifier}")
+    return missing
+
+
+# -- the code's own requirements, installed beside the overlay --------------------------------
+DEPS = "deps"  # <overlay>/deps/{wheels,site}: wheels of what it lacks here, and them installed
+_DEPS_MANIFEST = "installed.json"
+_PIP_TIMEOUT_S = 600
+
+
+def _pip(*args: str, timeout: float = _PIP_TIMEOUT_S) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, 124, "", f"pip {args[0]} took over {timeout:.0f} s")
+
+
+def _pip_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [l.strip() for l in (proc.stderr or proc.stdout or "").splitlines() if l.strip()]
+    errors = [l for l in lines if l.startswith("ERROR")]
+    return (errors or lines or [f"pip exited {proc.returncode}"])[-1][:300]
+
+
+def install_requirements(folder: Path, missing: list[str]) -> tuple[list[str], str]:
+    """Install ``missing`` (and what they need that this environment lacks) into ``folder/deps/site``,
+    pinned against everything installed here so nothing installed is shadowed by another version; keep
+    the wheels in ``folder/deps/wheels`` for the node image. Once per overlay. Returns the installed
+    ``name==version`` pins and "" or why they could not be installed (then nothing is)."""
+    deps = folder / DEPS
+    done = deps / _DEPS_MANIFEST
+    if done.is_file():
+        record = json.loads(done.read_text())
+        if record["requested"] == missing:
+            return record["installed"], ""
+        # A checkout's requirements changed (its hash covers vllm/ only): install afresh.
+        stale = Path(tempfile.mkdtemp(prefix=f".{DEPS}-stale-", dir=folder))
+        deps.rename(stale / DEPS)
+        shutil.rmtree(stale, ignore_errors=True)
+    if not missing:
+        return [], ""
+    from importlib.metadata import distributions
+
+    scratch = Path(tempfile.mkdtemp(prefix=f".{DEPS}-", dir=folder))
+    try:
+        pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions() if d.metadata["Name"]})
+        (scratch / "installed.txt").write_text("\n".join(pins) + "\n")
+        # What pip would add to this environment for them, every installed version held as it is.
+        proc = _pip("install", "--dry-run", "--quiet", "--only-binary", ":all:", "--report",
+                    str(scratch / "report.json"), "-c", str(scratch / "installed.txt"), *missing)
+        if proc.returncode != 0:
+            return [], f"pip cannot add them beside what is installed: {_pip_error(proc)}"
+        report = json.loads((scratch / "report.json").read_text())
+        adds = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in report.get("install", []))
+        proc = _pip("download", "--no-deps", "--only-binary", ":all:", "--quiet", "--dest", str(scratch / "wheels"),
+                    *adds)
+        if proc.returncode != 0:
+            return [], f"download failed: {_pip_error(proc)}"
+        proc = _pip("install", "--no-deps", "--no-index", "--quiet", "--target", str(scratch / "site"),
+                    *map(str, sorted((scratch / "wheels").glob("*.whl"))))
+        if proc.returncode != 0:
+            return [], f"install failed: {_pip_error(proc)}"
+        (scratch / _DEPS_MANIFEST).write_text(json.dumps({"requested": missing, "installed": adds}, indent=1))
+        for name in ("installed.txt", "report.json"):
+            (scratch / name).unlink()
+        try:
+            scratch.rename(deps)
+        except OSError:  # another run installed them first: use its folder
+            pass
+        return json.loads(done.read_text())["installed"], ""
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _wheel_compiled(wheel: Path) -> list[str]:
@@ -302,18 +399,24 @@ class Overlay:
     path: str = ""
     lacks: list[str] = field(default_factory=list)  # paths under test the source does not have
     unmet: list[str] = field(default_factory=list)  # its requirements this environment does not satisfy
+    installed: list[str] = field(default_factory=list)  # its requirements installed for it (deps/site)
+    e2e_blocker: str = ""  # why this code cannot serve here at all ("" when it can)
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
-        """``env`` (default: this process's) with the overlay first on ``PYTHONPATH``."""
+        """``env`` (default: this process's) with the overlay first on ``PYTHONPATH``, then what was
+        installed for it."""
         env = dict(os.environ if env is None else env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.path, env.get("PYTHONPATH", "")) if p)
+        site = Path(self.path) / DEPS / "site" if self.path else None
+        extra = str(site) if site is not None and site.is_dir() else ""
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.path, extra, env.get("PYTHONPATH", "")) if p)
         return env
 
     def describe(self) -> str:
         """One line: which vLLM this is, from where, and its hash."""
         note = f"; {self.compiled_note}" if self.compiled_note else ""
         return (f"vLLM {self.version} ({self.kind} {self.origin}, overlay {self.hash}, compiled parts {self.base}{note})"
-                + requirements_note(self.unmet))
+                + installed_note(self.installed) + requirements_note(self.unmet)
+                + (f"; {self.e2e_blocker}" if self.e2e_blocker else ""))
 
 
 # Files whose absence means a path under test is gone from that vLLM (the reports say so).
@@ -355,6 +458,7 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
     spec = parse_spec(spec) if isinstance(spec, str) else spec
     base_dist, base_version = installed()
     base = f"{base_dist} {base_version}"
+    blocker = ""
     if spec.kind == "checkout":
         root = Path(spec.value)
         files = _checkout_files(root)
@@ -366,12 +470,15 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         elif changed:
             note = (f"C++/CUDA changed since v{base_version} ({', '.join(changed[:6])}"
                     f"{', ...' if len(changed) > 6 else ''}): NOT carried, those changes need a build")
+            blocker = (f"no server: its C++/CUDA changed since v{base_version} ({len(changed)} files) and an "
+                       f"overlay runs {base}'s compiled parts instead")
         else:
             note = ""
         origin = str(root)
-        unmet = unmet_requirements(_checkout_requires(root))
+        requires = _checkout_requires(root)
     else:
         wheel = Path(spec.value) if spec.kind == "wheel" else release_wheel(spec.value, cache)
+        _check_platform(wheel, spec)
         files = _wheel_files(wheel)
         version = _version_of(files) or spec.value
         own = [Path(n).name for n in _wheel_compiled(wheel)]
@@ -379,7 +486,7 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         if version != base_version:
             note = (f"its own C++ ({len(own)} compiled modules) is not carried: the kernels are {base}'s")
         origin = str(wheel)
-        unmet = unmet_requirements(_wheel_requires(wheel))
+        requires = _wheel_requires(wheel)
     if not files.get("vllm/__init__.py"):
         raise VllmSourceError(f"{spec}: no vllm/__init__.py among its files")
     if not _version_of(files):
@@ -388,10 +495,17 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
                                      f"version_tuple = {tuple(Version(version).release)!r}\n").encode()
     digest = _digest(files, f"{base}\0{spec.kind}\0{origin}")  # the manifest names where the code came from
     overlay = Overlay(spec=str(spec), kind=spec.kind, origin=origin, version=version, base=base, hash=digest,
-                      files=len(files), compiled_note=note, lacks=_lacks(files), unmet=unmet)
+                      files=len(files), compiled_note=note, lacks=_lacks(files), e2e_blocker=blocker or _e2e_blocker(files))
     target = cache / "overlays" / digest
     overlay.path = str(target)
     manifest = target / MANIFEST
+    if not manifest.is_file():
+        _write(target, files, overlay)
+        _prune(target.parent, keep=KEEP_OVERLAYS)
+    # Its own requirements that this environment lacks are installed beside it (never over it).
+    beside = install_requirements(target, missing_requirements(requires))
+    overlay.installed = beside[0]
+    overlay.unmet = unmet_requirements(requires, beside)
     if manifest.is_file():
         wanted = json.dumps(asdict(overlay), indent=1)
         if manifest.read_text() != wanted:  # same files, newer facts about them (written by an older testbed)
@@ -399,10 +513,53 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
             scratch.write_text(wanted)
             scratch.rename(manifest)
         manifest.touch()  # in use: the last to be pruned
-    else:
-        _write(target, files, overlay)
-        _prune(target.parent, keep=KEEP_OVERLAYS)
     return overlay
+
+
+def _check_platform(wheel: Path, spec: Spec) -> None:
+    """Refuse a wheel built for another machine (its Python may differ by platform, and its
+    requirements are that platform's)."""
+    from packaging.tags import sys_tags
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        _, _, _, tags = parse_wheel_filename(wheel.name)
+    except InvalidWheelFilename as exc:
+        raise VllmSourceError(f"VLLM={spec.value}: not a wheel's file name ({exc})") from None
+    if not tags & set(sys_tags()):
+        platforms = ", ".join(sorted({t.platform for t in tags}))
+        import platform
+
+        raise VllmSourceError(f"VLLM={spec.value}: a wheel for {platforms}, not for this machine "
+                              f"({platform.system().lower()} {platform.machine()}, Python "
+                              f"{sys.version_info.major}.{sys.version_info.minor})")
+
+
+def canonical(name: str) -> str:
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(name)
+
+
+# On x86 the CPU platform of 0.34.0 and later refuses to start without triton-cpu, which vLLM's
+# requirements/cpu.txt takes from GitHub releases: it is on no package registry.
+_TRITON_CPU = (b"vllm/platforms/cpu.py", b"requires Triton (triton-cpu)")
+
+
+def _e2e_blocker(files: dict[str, bytes]) -> str:
+    """Why this code cannot start a server here, read from its files ("" when nothing is known)."""
+    import importlib.util
+    import platform
+
+    rel, needle = _TRITON_CPU
+    if needle in files.get(rel.decode(), b"") and platform.machine() in ("x86_64", "AMD64"):
+        triton = importlib.util.find_spec("triton")
+        has_cpu = triton is not None and triton.submodule_search_locations and any(
+            (Path(p) / "backends" / "cpu").is_dir() for p in triton.submodule_search_locations)
+        if not has_cpu:
+            return ("no server: its CPU platform requires triton-cpu on x86 (vllm/platforms/cpu.py), which "
+                    "vLLM takes from GitHub releases, not from a package registry")
+    return ""
 
 
 KEEP_OVERLAYS = 16  # ~50 MB each (the compiled parts are links): a bisect makes one per step
@@ -445,6 +602,15 @@ def from_env(env: dict[str, str] | None = None) -> Overlay | None:
     return prepare(text) if text else None
 
 
+def for_server(env: dict[str, str] | None = None) -> Overlay | None:
+    """``from_env``, refusing code that cannot serve here: called before any cluster or server starts."""
+    overlay = from_env(env)
+    if overlay is not None and overlay.e2e_blocker:
+        raise VllmSourceError(f"VLLM={overlay.spec}: vLLM {overlay.version}: {overlay.e2e_blocker} "
+                              "(its component suites run: make test-component VLLM=...)")
+    return overlay
+
+
 def manifest_of(package: Path) -> dict | None:
     """The overlay manifest that came with the ``vllm`` package at ``package``, if it is an overlay."""
     for candidate in (package.parent / MANIFEST, package / MANIFEST):  # host overlay; node image
@@ -471,7 +637,7 @@ def _running() -> dict:
     if found:
         return {"version": found["version"], "origin": f"{found['kind']} {found['origin']}", "hash": found["hash"],
                 "base": found["base"], "compiled_note": found["compiled_note"], "lacks": found.get("lacks", []),
-                "unmet": found.get("unmet", [])}
+                "unmet": found.get("unmet", []), "installed": found.get("installed", [])}
     files = _package_files(package)
     base = " ".join(installed())
     return {"version": _version_of(files) or installed_version(), "origin": f"installed {base}", "hash": "",
@@ -484,12 +650,18 @@ def running_line() -> str:
     return f"{info['version']}@{info['hash']}" if info.get("hash") else info["version"]
 
 
+def installed_note(installed: list[str]) -> str:
+    """``""``, or which of the code's requirements were installed beside it (``deps/site``)."""
+    return f"; installed for it: {', '.join(installed)}" if installed else ""
+
+
 def requirements_note(unmet: list[str]) -> str:
     """``""``, or what of the code's requirements this environment lacks (a server may then not start)."""
     if not unmet:
         return ""
     shown = ", ".join(unmet[:8]) + (f" and {len(unmet) - 8} more" if len(unmet) > 8 else "")
-    return f"; {len(unmet)} of its requirements not met here (not installed by an overlay): {shown}"
+    return (f"; {len(unmet)} of its requirements not met here (an overlay adds what is missing, never replaces "
+            f"what is installed): {shown}")
 
 
 def vllm_line(info: dict) -> str:
@@ -502,7 +674,7 @@ def vllm_line(info: dict) -> str:
         text += f"; {info['compiled_note']}"
     if info.get("lacks"):
         text += f"; has no {', '.join(info['lacks'])}"
-    return text + requirements_note(info.get("unmet", []))
+    return text + installed_note(info.get("installed", [])) + requirements_note(info.get("unmet", []))
 
 
 def stage_for_image(folder: Path, overlay: Overlay | None) -> None:
@@ -523,4 +695,10 @@ def stage_for_image(folder: Path, overlay: Overlay | None) -> None:
         if path.is_file() and not _COMPILED.search(path.name):
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, folder / rel)
+    # Its requirements installed beside it here are installed into the image's venv (no network).
+    wheels = sorted((source / DEPS / "wheels").glob("*.whl"))
+    if wheels:
+        (folder / "wheels").mkdir()
+        for wheel in wheels:
+            shutil.copyfile(wheel, folder / "wheels" / wheel.name)
     manifest.write_text(wanted)
