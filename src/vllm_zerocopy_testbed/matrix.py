@@ -141,7 +141,7 @@ RACE_SUITE = "structured"  # the suite where the 53217 race shows end to end (te
 
 
 def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str, str]], str, float]:
-    """``make e2e`` with ``version``'s code on V2, modes upstream and testbed: per profile, each
+    """``make e2e`` with ``version``'s code on V2, modes testbed and upstream: per profile, each
     suite's worst outcome (the run's ``results.json`` cells), or why it did not run, and seconds."""
     start = time.monotonic()
     try:
@@ -153,8 +153,9 @@ def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str
     run = out.relative_to(REPO_ROOT / "reports") / f"e2e-{version}" if out.is_relative_to(REPO_ROOT / "reports") \
         else Path(out.name) / f"e2e-{version}"
     log = out / f"e2e-{version}.log"
-    cmd = ["make", "--no-print-directory", "e2e", f"VLLM={version}", "EXECUTOR=v2", f"MODES={' '.join(E2E_MODES)}",
-           f"RUN={run}"]
+    # Modes not named: the default two (testbed, upstream), a known failure expected where its
+    # signature matches (MODES named would judge upstream's race red).
+    cmd = ["make", "--no-print-directory", "e2e", f"VLLM={version}", "EXECUTOR=v2", "MODES=", f"RUN={run}"]
     env = {k: v for k, v in process_env().items() if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH",
                                                                 "TESTBED_INFLIGHT", "TESTBED_VLLM", "VLLM")}
     note = ""
@@ -169,12 +170,16 @@ def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str
     cells: dict[str, dict[str, str]] = {}
     if results.is_file():
         for cell in json.loads(results.read_text()).get("cells", []):
-            cells.setdefault(cell["profile"], {})[cell["suite"]] = cell["outcome"]
+            cells.setdefault(cell["profile"], {})[cell["suite"]] = _E2E_LABEL.get(cell["outcome"], cell["outcome"])
     if not cells and not note:
         lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
         errors = [l for l in lines if "Error" in l or "error" in l or "failed" in l]
         note = f"make e2e exited {rc}: {(errors or lines or ['no output'])[-1][:300]}"
     return cells, note, round(time.monotonic() - start, 1)
+
+
+_E2E_LABEL = {"xfailed": "known-fail", "xpassed": "XPASS", "error": "failed"}
+E2E_RED = ("failed", "XPASS")
 
 
 def _e2e_cell(suites: dict[str, str] | None, race: bool) -> str:
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(r.error or any(c.get("failed") for c in r.modes.values()) for r in results):
         sys.exit(1)
     # End to end: a suite that failed outright, or a release that could serve and did not run.
-    if args.e2e and any("failed" in suites.values() or (r.e2e_note and not r.e2e and r.e2e_seconds)
+    if args.e2e and any(set(E2E_RED) & set(suites.values()) or (r.e2e_note and not r.e2e and r.e2e_seconds)
                         for r in results for suites in (list(r.e2e.values()) or [{}])):
         sys.exit(1)
 
