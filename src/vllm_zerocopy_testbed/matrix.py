@@ -195,15 +195,16 @@ def _e2e_cell(suites: dict[str, str] | None, race: bool) -> str:
 
 def e2e_table(results: list[VersionResult]) -> str:
     """The end-to-end table: per release, the structured race suite and the other suites per mode."""
-    lines = ["| vLLM code | structured (53217 race): upstream | testbed | other suites: upstream | testbed | min |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| vLLM code | structured (53217 race): upstream | testbed | other suites: upstream | testbed | "
+             "across profiles (arena, across) | min |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if r.e2e_note and not r.e2e:
-            lines.append(f"| {r.version} | {r.e2e_note} | | | | {r.e2e_seconds / 60:.1f} |")
+            lines.append(f"| {r.version} | {r.e2e_note} | | | | | {r.e2e_seconds / 60:.1f} |")
             continue
         up, tb = r.e2e.get("v2/upstream"), r.e2e.get("v2/testbed")
         lines.append(f"| {r.version} | {_e2e_cell(up, True)} | {_e2e_cell(tb, True)} | {_e2e_cell(up, False)} | "
-                     f"{_e2e_cell(tb, False)} | {r.e2e_seconds / 60:.1f} |")
+                     f"{_e2e_cell(tb, False)} | {_e2e_cell(r.e2e.get('all'), False)} | {r.e2e_seconds / 60:.1f} |")
     return "\n".join(lines)
 
 

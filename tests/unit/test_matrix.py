@@ -67,11 +67,12 @@ def test_the_end_to_end_table_shows_the_race_suite_per_mode_and_why_a_release_di
     rows = [VersionResult("0.33.0", True, e2e={
                 "v2/upstream": {"structured": "known-fail", "smoke": "passed", "logprobs": "passed",
                                 "arena": "skipped"},
-                "v2/testbed": {"structured": "passed", "smoke": "passed", "logprobs": "failed", "arena": "skipped"}},
+                "v2/testbed": {"structured": "passed", "smoke": "passed", "logprobs": "failed", "arena": "skipped"},
+                "all": {"arena": "passed", "across": "passed"}},
                 e2e_seconds=900.0),
             VersionResult("0.34.0", True, e2e_note="no server: its CPU platform requires triton-cpu on x86")]
     text = e2e_table(rows).splitlines()
     assert text[0].startswith("| vLLM code | structured (53217 race): upstream | testbed |")
     assert text[2] == ("| 0.33.0 | known-fail | passed | 2 passed, 1 skipped | 1 failed, 1 passed, 1 skipped "
-                       "(logprobs failed) | 15.0 |")
+                       "(logprobs failed) | 2 passed | 15.0 |")
     assert text[3].startswith("| 0.34.0 | no server: its CPU platform requires triton-cpu on x86 |")
