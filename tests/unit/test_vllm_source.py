@@ -220,6 +220,15 @@ def test_requirements_missing_here_are_installed_beside_the_overlay_and_staged_f
     stage = tmp_path / "stage"
     vllm_source.stage_for_image(stage, overlay)
     assert [p.name for p in (stage / "wheels").iterdir()] == ["testbed_probe_dist-1.5-py3-none-any.whl"]
+    # A process run over the overlay (its deps/site on PYTHONPATH, as make's VRUN runs pytest) that
+    # prepares it again still sees the requirement as missing here: kept, not dropped (a faults run
+    # once rebuilt the node image without them).
+    code = ("import sys; from pathlib import Path; from vllm_zerocopy_testbed.vllm_source import prepare; "
+            "o = prepare(sys.argv[1], cache=Path(sys.argv[2])); print(o.installed)")
+    proc = subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path / "cache")], env=overlay.env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "['testbed-probe-dist==1.5']", proc.stderr[-2000:]
+    assert (Path(overlay.path) / vllm_source.DEPS / "site").is_dir()
     # Not installable: named, with pip's reason, and nothing half installed.
     (root / "requirements/common.txt").write_text("testbed-probe-dist>=2\n")
     overlay = prepare(str(root), cache=tmp_path / "cache")

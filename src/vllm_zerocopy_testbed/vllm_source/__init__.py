@@ -232,6 +232,25 @@ def _requirements(lines: list[str]) -> list:
     return found
 
 
+def _own_path() -> list[str]:
+    """``sys.path`` without any overlay's ``deps/site``: what this environment itself has installed.
+    A process run over an overlay (make's VRUN) has that folder on its path, and counting it as
+    installed made a later ``prepare`` drop the overlay's requirements (and the image's copy)."""
+    marker = os.sep + os.path.join(DEPS, "site")
+    return [p for p in sys.path if not p.rstrip(os.sep).endswith(marker)]
+
+
+def installed_version_of(name: str) -> str | None:
+    """The version of distribution ``name`` this environment has (overlay deps not counted), or None."""
+    from importlib.metadata import distributions
+
+    wanted = canonical(name)
+    for dist in distributions(path=_own_path()):
+        if dist.metadata["Name"] and canonical(dist.metadata["Name"]) == wanted:
+            return dist.version
+    return None
+
+
 def unmet_requirements(lines: list[str], beside: tuple[list[str], str] = ([], "")) -> list[str]:
     """The requirements (no extras; markers for this interpreter) this environment does not satisfy.
     ``beside``: what ``install_requirements`` installed beside it (those are met) and why it could not."""
@@ -239,9 +258,8 @@ def unmet_requirements(lines: list[str], beside: tuple[list[str], str] = ([], ""
     added = {canonical(pin.partition("==")[0]) for pin in installed}
     unmet = []
     for req in _requirements(lines):
-        try:
-            have = dist_version(req.name)
-        except PackageNotFoundError:
+        have = installed_version_of(req.name)
+        if have is None:
             if canonical(req.name) not in added:
                 unmet.append(f"{req.name} (missing{'; ' + why if why else ''})")
             continue
@@ -254,13 +272,7 @@ def missing_requirements(lines: list[str]) -> list[str]:
     """The requirements whose distribution is not installed at all, as ``name<specifier>``: the ones an
     overlay can add beside this environment without replacing what it has (a torch, say, that the
     compiled parts were built against)."""
-    missing = []
-    for req in _requirements(lines):
-        try:
-            dist_version(req.name)
-        except PackageNotFoundError:
-            missing.append(f"{req.name}{req.specifier}")
-    return missing
+    return [f"{req.name}{req.specifier}" for req in _requirements(lines) if installed_version_of(req.name) is None]
 
 
 # -- the code's own requirements, installed beside the overlay --------------------------------
@@ -270,8 +282,14 @@ _PIP_TIMEOUT_S = 600
 
 
 def _pip(*args: str, timeout: float = _PIP_TIMEOUT_S) -> subprocess.CompletedProcess:
+    # pip sees what this environment has, not what an overlay on PYTHONPATH added (_own_path).
+    env = dict(os.environ)
+    marker = os.sep + os.path.join(DEPS, "site")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and not p.rstrip(os.sep).endswith(marker))
     try:
-        return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(args, 124, "", f"pip {args[0]} took over {timeout:.0f} s")
 
@@ -303,7 +321,8 @@ def install_requirements(folder: Path, missing: list[str]) -> tuple[list[str], s
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{DEPS}-", dir=folder))
     try:
-        pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions() if d.metadata["Name"]})
+        pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions(path=_own_path())
+                       if d.metadata["Name"]})
         (scratch / "installed.txt").write_text("\n".join(pins) + "\n")
         # What pip would add to this environment for them, every installed version held as it is.
         proc = _pip("install", "--dry-run", "--quiet", "--only-binary", ":all:", "--report",
