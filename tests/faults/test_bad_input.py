@@ -22,8 +22,8 @@ _VALID = plain_specs(SIZES, MODEL_SPEC)[:2]
 # completion). Expected only as exactly that: HTTP 200, the server healthy, the valid answers
 # unchanged; a 5xx, a dead server or changed answers stay red, and so does a 4xx (the day vLLM
 # rejects them, the finding goes).
-FINDINGS = {"embeds-nan": "vLLM 0.32 accepts NaN prompt_embeds with HTTP 200 (finding, worth reporting upstream)",
-            "embeds-inf": "vLLM 0.32 accepts inf prompt_embeds with HTTP 200 (finding, worth reporting upstream)"}
+FINDINGS = {"embeds-nan": "vLLM accepts NaN prompt_embeds with HTTP 200 (0.32.0 to 0.34.0: findings/prompt-embeds-nonfinite)",
+            "embeds-inf": "vLLM accepts inf prompt_embeds with HTTP 200 (0.32.0 to 0.34.0: findings/prompt-embeds-nonfinite)"}
 CASES = [pytest.param(c, id=c.name)
          for c in bad_input.cases(SETTINGS["TESTBED_SERVED_MODEL"], max_model_len=int(SETTINGS["TESTBED_MAX_MODEL_LEN"]))]
 
