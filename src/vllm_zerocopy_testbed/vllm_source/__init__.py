@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version as dist_version
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from vllm_zerocopy_testbed.config import REPO_ROOT
@@ -129,19 +130,15 @@ def release_wheel(release: str, cache: Path = CACHE) -> Path:
         # never takes a wheel half written (issue 46: runs side by side).
         scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=wheels))
         try:
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                                   "--quiet", "--dest", str(scratch), f"{dist}=={release}"],
-                                  capture_output=True, text=True, timeout=_DOWNLOAD_TIMEOUT_S)
+            proc = _pip("download", "--no-deps", "--only-binary", ":all:", "--quiet", "--dest", str(scratch),
+                        f"{dist}=={release}", timeout=_DOWNLOAD_TIMEOUT_S)
             for wheel in scratch.glob("*.whl"):
                 wheel.replace(wheels / wheel.name)
-        except subprocess.TimeoutExpired:
-            errors.append(f"{dist}: download took over {_DOWNLOAD_TIMEOUT_S} s")
-            continue
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if proc.returncode == 0:
             return release_wheel(release, cache)
-        errors.append(f"{dist}: {(proc.stderr.strip().splitlines() or ['pip failed'])[-1]}")
+        errors.append(f"{dist}: {_pip_error(proc)}")
     raise VllmSourceError(f"VLLM={release}: no wheel of that release on the package index ({'; '.join(errors)})")
 
 
@@ -217,7 +214,6 @@ _GPU_ONLY = re.compile(r"^(nvidia-.*|cupy.*|flashinfer.*|pynvvideocodec|torchaud
 def _requirements(lines: list[str]) -> list:
     """The parsed requirements that apply to a CPU run of this interpreter (markers evaluated, no extras)."""
     from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
 
     found = []
     for line in lines:
@@ -232,35 +228,36 @@ def _requirements(lines: list[str]) -> list:
     return found
 
 
-def _own_path() -> list[str]:
-    """``sys.path`` without any overlay's ``deps/site``: what this environment itself has installed.
-    A process run over an overlay (make's VRUN) has that folder on its path, and counting it as
-    installed made a later ``prepare`` drop the overlay's requirements (and the image's copy)."""
-    marker = os.sep + os.path.join(DEPS, "site")
-    return [p for p in sys.path if not p.rstrip(os.sep).endswith(marker)]
+def _overlay_deps(path: str) -> bool:
+    """Whether ``path`` is an overlay's ``deps/site``: on the path of a process run over an overlay
+    (make's VRUN), never part of what this environment has (counting it made a later ``prepare``
+    drop the overlay's requirements, and the node image its copy)."""
+    return path.rstrip(os.sep).endswith(os.sep + os.path.join(DEPS, "site"))
 
 
-def installed_version_of(name: str) -> str | None:
-    """The version of distribution ``name`` this environment has (overlay deps not counted), or None."""
+@functools.cache
+def own_versions() -> dict[str, str]:
+    """Every distribution this environment has (overlay deps not counted): canonical name -> version,
+    the first on ``sys.path`` winning as in an import. Read once per process: ~300 distributions."""
     from importlib.metadata import distributions
 
-    wanted = canonical(name)
-    for dist in distributions(path=_own_path()):
-        if dist.metadata["Name"] and canonical(dist.metadata["Name"]) == wanted:
-            return dist.version
-    return None
+    found: dict[str, str] = {}
+    for dist in distributions(path=[p for p in sys.path if not _overlay_deps(p)]):
+        if dist.metadata["Name"]:
+            found.setdefault(canonicalize_name(dist.metadata["Name"]), dist.version)
+    return found
 
 
-def unmet_requirements(lines: list[str], beside: tuple[list[str], str] = ([], "")) -> list[str]:
-    """The requirements (no extras; markers for this interpreter) this environment does not satisfy.
-    ``beside``: what ``install_requirements`` installed beside it (those are met) and why it could not."""
-    installed, why = beside
-    added = {canonical(pin.partition("==")[0]) for pin in installed}
+def unmet_requirements(lines: list[str], installed: list[str] = (), why: str = "") -> list[str]:
+    """The requirements (no extras; markers for this interpreter) this environment does not satisfy,
+    past ``installed`` (the ``name==version`` pins ``install_requirements`` added beside it); a missing
+    one carries ``why`` they could not be added."""
+    added = {canonicalize_name(pin.partition("==")[0]) for pin in installed}
     unmet = []
     for req in _requirements(lines):
-        have = installed_version_of(req.name)
+        have = own_versions().get(canonicalize_name(req.name))
         if have is None:
-            if canonical(req.name) not in added:
+            if canonicalize_name(req.name) not in added:
                 unmet.append(f"{req.name} (missing{'; ' + why if why else ''})")
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
@@ -272,7 +269,8 @@ def missing_requirements(lines: list[str]) -> list[str]:
     """The requirements whose distribution is not installed at all, as ``name<specifier>``: the ones an
     overlay can add beside this environment without replacing what it has (a torch, say, that the
     compiled parts were built against)."""
-    return [f"{req.name}{req.specifier}" for req in _requirements(lines) if installed_version_of(req.name) is None]
+    return [f"{req.name}{req.specifier}" for req in _requirements(lines)
+            if canonicalize_name(req.name) not in own_versions()]
 
 
 # -- the code's own requirements, installed beside the overlay --------------------------------
@@ -282,11 +280,10 @@ _PIP_TIMEOUT_S = 600
 
 
 def _pip(*args: str, timeout: float = _PIP_TIMEOUT_S) -> subprocess.CompletedProcess:
-    # pip sees what this environment has, not what an overlay on PYTHONPATH added (_own_path).
+    # pip sees what this environment has, not what an overlay on PYTHONPATH added (_overlay_deps).
     env = dict(os.environ)
-    marker = os.sep + os.path.join(DEPS, "site")
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                        if p and not p.rstrip(os.sep).endswith(marker))
+                                        if p and not _overlay_deps(p))
     try:
         return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout,
                               env=env)
@@ -317,12 +314,9 @@ def install_requirements(folder: Path, missing: list[str]) -> tuple[list[str], s
         shutil.rmtree(stale, ignore_errors=True)
     if not missing:
         return [], ""
-    from importlib.metadata import distributions
-
     scratch = Path(tempfile.mkdtemp(prefix=f".{DEPS}-", dir=folder))
     try:
-        pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions(path=_own_path())
-                       if d.metadata["Name"]})
+        pins = sorted(f"{name}=={v}" for name, v in own_versions().items())
         (scratch / "installed.txt").write_text("\n".join(pins) + "\n")
         # What pip would add to this environment for them, every installed version held as it is.
         proc = _pip("install", "--dry-run", "--quiet", "--only-binary", ":all:", "--report",
@@ -522,9 +516,8 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
         _write(target, files, overlay)
         _prune(target.parent, keep=KEEP_OVERLAYS)
     # Its own requirements that this environment lacks are installed beside it (never over it).
-    beside = install_requirements(target, missing_requirements(requires))
-    overlay.installed = beside[0]
-    overlay.unmet = unmet_requirements(requires, beside)
+    overlay.installed, why = install_requirements(target, missing_requirements(requires))
+    overlay.unmet = unmet_requirements(requires, overlay.installed, why)
     if manifest.is_file():
         wanted = json.dumps(asdict(overlay), indent=1)
         if manifest.read_text() != wanted:  # same files, newer facts about them (written by an older testbed)
@@ -552,12 +545,6 @@ def _check_platform(wheel: Path, spec: Spec) -> None:
         raise VllmSourceError(f"VLLM={spec.value}: a wheel for {platforms}, not for this machine "
                               f"({platform.system().lower()} {platform.machine()}, Python "
                               f"{sys.version_info.major}.{sys.version_info.minor})")
-
-
-def canonical(name: str) -> str:
-    from packaging.utils import canonicalize_name
-
-    return canonicalize_name(name)
 
 
 # On x86 the CPU platform of 0.34.0 and later refuses to start without triton-cpu, which vLLM's
