@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vllm_zerocopy_testbed.cluster.process import kill_session, signal_group
 from vllm_zerocopy_testbed.config import REPO_ROOT, PatchMode, process_env
 from vllm_zerocopy_testbed.vllm_source import VllmSourceError, installed_version, prepare
 
@@ -57,6 +59,8 @@ class VersionResult:
     e2e: dict[str, dict[str, str]] = field(default_factory=dict)
     e2e_note: str = ""
     e2e_seconds: float = 0.0
+    e2e_ran: bool = False  # make e2e was started (not: the release cannot serve here)
+    cannot_serve: str = ""  # the overlay's e2e_blocker: why make e2e would be refused
 
 
 def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -120,6 +124,7 @@ def run_version(version: str, out: Path, suite_timeout: float) -> VersionResult:
     result.has_oob_fix = "tensors out of band" not in overlay.lacks
     result.has_detach_fix = "Ray output detach" not in overlay.lacks
     result.has_cgraph = "compiled-graph executor" not in overlay.lacks
+    result.cannot_serve = overlay.e2e_blocker
     junit = out / f"component-{version}.xml"
     env = overlay.env({k: v for k, v in process_env().items()
                        if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH", "TESTBED_INFLIGHT", "TESTBED_VLLM")})
@@ -137,35 +142,50 @@ def run_version(version: str, out: Path, suite_timeout: float) -> VersionResult:
 
 
 E2E_MODES = ("upstream", "testbed")
+E2E_TEARDOWN_S = 300.0  # pytest's teardown after a SIGINT: its clusters' compose down, the reference
 RACE_SUITE = "structured"  # the suite where the 53217 race shows end to end (tests/e2e/test_structured.py)
 
 
-def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str, str]], str, float]:
-    """``make e2e`` with ``version``'s code on V2, modes testbed and upstream: per profile, each
-    suite's worst outcome (the run's ``results.json`` cells), or why it did not run, and seconds."""
+def run_bounded(cmd: list[str], log: Path, timeout: float, env: dict[str, str],
+                teardown_s: float = E2E_TEARDOWN_S) -> tuple[int | None, str]:
+    """Run ``cmd`` in a session of its own, output to ``log``, at most ``timeout`` s; return its exit
+    status (None: killed) and "" or that it ran past the bound. Past it: SIGINT to the group (SIGINT
+    at its default in the child, which a run in the background would inherit ignored), so that
+    pytest tears its clusters down, then SIGKILL to whatever of the session outlives ``teardown_s``."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            return proc.wait(timeout=timeout), ""
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGINT)
+            try:
+                rc = proc.wait(timeout=teardown_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            kill_session(proc.pid)
+            if rc is None:
+                proc.wait(timeout=10)
+            return rc, f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} did not finish within {timeout:.0f} s"
+
+
+def run_e2e(result: VersionResult, out: Path, timeout: float) -> None:
+    """``make e2e`` with ``result.version``'s code on V2, modes testbed and upstream, into ``result``:
+    per profile, each suite's worst outcome (the run's ``results.json`` cells), or why it did not run
+    (no overlay; the code cannot serve here), and the seconds it took."""
+    if not result.installed or result.cannot_serve:
+        result.e2e_note = result.cannot_serve or result.error
+        return
     start = time.monotonic()
-    try:
-        overlay = prepare(version)
-    except VllmSourceError as exc:
-        return {}, f"no overlay: {exc}", 0.0
-    if overlay.e2e_blocker:
-        return {}, overlay.e2e_blocker, 0.0
-    run = out.relative_to(REPO_ROOT / "reports") / f"e2e-{version}" if out.is_relative_to(REPO_ROOT / "reports") \
-        else Path(out.name) / f"e2e-{version}"
+    version = result.version
+    run = Path(out.name) / f"e2e-{version}"  # reports/<run>/: make e2e's report folder
     log = out / f"e2e-{version}.log"
     # Modes not named: the default two (testbed, upstream), a known failure expected where its
     # signature matches (MODES named would judge upstream's race red).
     cmd = ["make", "--no-print-directory", "e2e", f"VLLM={version}", "EXECUTOR=v2", "MODES=", f"RUN={run}"]
     env = {k: v for k, v in process_env().items() if k not in ("TESTBED_BROADCAST", "TESTBED_DETACH",
                                                                 "TESTBED_INFLIGHT", "TESTBED_VLLM", "VLLM")}
-    note = ""
-    with log.open("w") as sink:
-        try:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
-                                  start_new_session=True)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc, note = None, f"make e2e did not finish within {timeout:.0f} s"
+    rc, note = run_bounded(cmd, log, timeout, env=env)
     results = REPO_ROOT / "reports" / run / "results.json"
     cells: dict[str, dict[str, str]] = {}
     if results.is_file():
@@ -175,7 +195,14 @@ def run_e2e(version: str, out: Path, timeout: float) -> tuple[dict[str, dict[str
         lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
         errors = [l for l in lines if "Error" in l or "error" in l or "failed" in l]
         note = f"make e2e exited {rc}: {(errors or lines or ['no output'])[-1][:300]}"
-    return cells, note, round(time.monotonic() - start, 1)
+    result.e2e, result.e2e_note, result.e2e_ran = cells, note, True
+    result.e2e_seconds = round(time.monotonic() - start, 1)
+
+
+def e2e_red(result: VersionResult) -> bool:
+    """A suite failed (or passed where it should have failed), or a release that could serve did not."""
+    return any(set(E2E_RED) & set(suites.values()) for suites in result.e2e.values()) or (
+        result.e2e_ran and not result.e2e)
 
 
 _E2E_LABEL = {"xfailed": "known-fail", "xpassed": "XPASS", "error": "failed"}
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"matrix: vLLM {version}: {result.error or result.modes} ({result.seconds:.0f} s)", flush=True)
         if args.e2e:
             print(f"matrix: vLLM {version} end to end (make e2e, V2, {' and '.join(E2E_MODES)}) ...", flush=True)
-            result.e2e, result.e2e_note, result.e2e_seconds = run_e2e(version, out, args.e2e_timeout)
+            run_e2e(result, out, args.e2e_timeout)
             print(f"matrix: vLLM {version} end to end: {result.e2e_note or result.e2e} "
                   f"({result.e2e_seconds:.0f} s)", flush=True)
     (out / "matrix.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
@@ -264,8 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(r.error or any(c.get("failed") for c in r.modes.values()) for r in results):
         sys.exit(1)
     # End to end: a suite that failed outright, or a release that could serve and did not run.
-    if args.e2e and any(set(E2E_RED) & set(suites.values()) or (r.e2e_note and not r.e2e and r.e2e_seconds)
-                        for r in results for suites in (list(r.e2e.values()) or [{}])):
+    if args.e2e and any(e2e_red(r) for r in results):
         sys.exit(1)
 
 

@@ -76,3 +76,22 @@ def test_the_end_to_end_table_shows_the_race_suite_per_mode_and_why_a_release_di
     assert text[2] == ("| 0.33.0 | known-fail | passed | 2 passed, 1 skipped | 1 failed, 1 passed, 1 skipped "
                        "(logprobs failed) | 2 passed | 15.0 |")
     assert text[3].startswith("| 0.34.0 | no server: its CPU platform requires triton-cpu on x86 |")
+
+
+
+def test_a_run_past_its_bound_is_stopped_whole(tmp_path) -> None:
+    """A real child that ignores SIGINT, with a grandchild: after the bound and the teardown grace
+    nothing of its session is left, and the note says it ran past the bound."""
+    import os
+    import time
+
+    from vllm_zerocopy_testbed.cluster.process import session_pids
+    from vllm_zerocopy_testbed.matrix import run_bounded
+
+    pid_file = tmp_path / "pid"
+    cmd = ["sh", "-c", f"trap '' INT; echo $$ > {pid_file}; sleep 60 & wait"]
+    start = time.monotonic()
+    rc, note = run_bounded(cmd, tmp_path / "log", 1.0, env=dict(os.environ), teardown_s=1.0)
+    assert time.monotonic() - start < 15
+    assert rc is None and note.endswith("did not finish within 1 s")
+    assert session_pids(int(pid_file.read_text())) == []
