@@ -117,6 +117,25 @@ def test_a_reader_write_stays_its_own(harness_for, arena_mode, expect) -> None:
     assert reports[1]["0/x"].digest != expected.digest, "reader 1's write did not take"
 
 
+def test_a_reader_write_never_reaches_the_slots_next_message(harness_for, arena_mode) -> None:
+    """Readers write what they received (one all of it, one every other page) and free it; every
+    slot is then used twice more: each reader must get the writer's bytes, never its own old ones
+    (a private mapping kept per slot must drop the pages its reader wrote)."""
+    _lifecycle(arena_mode)
+    with harness_for(keep=True) as harness:
+        written = _count_arena_writes(harness)
+        for index, (rank, action) in enumerate(((1, "write"), (2, "write-every-other-page"))):
+            harness.broadcast({"x": _tensor(16 * MiB, seed=index)})
+            harness.control(action, index, rank=rank)
+            harness.control("drop", index)
+        for index in range(2, 2 + 2 * SLOTS):
+            payload = {"x": _tensor(16 * MiB, seed=index)}
+            for rank, report in harness.broadcast(payload).items():
+                assert report == describe(payload), f"reader {rank} got other bytes in message {index}"
+            harness.control("drop", index)
+    _assert_through_arena(written, 2 + 2 * SLOTS)
+
+
 def test_tensors_held_across_many_later_messages_stay_intact(harness_for, arena_mode, expect) -> None:
     """The first message is kept while 3 x 8 later ones use and free every other slot."""
     _lifecycle(arena_mode)

@@ -133,6 +133,12 @@ def _write(kept: list[dict[str, Any]], index: int) -> None:
             value.fill_(1)  # a reader that computes in place on what it received
 
 
+def _write_every_other_page(kept: list[dict[str, Any]], index: int) -> None:
+    for value in kept[index].values():
+        with torch.no_grad():
+            value.reshape(-1).view(torch.uint8)[::2 * 4096].fill_(1)  # one byte in every other page
+
+
 def _keep_view_of_view(kept: list[dict[str, Any]], index: int) -> None:
     kept[index] = {name: view_of_view(value) for name, value in kept[index].items()}
 
@@ -143,7 +149,8 @@ def view_of_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # What a ``keep`` reader can be told to do with one kept message (``MessageQueueHarness.control``).
-READER_ACTIONS = {"drop": _drop, "write": _write, "view-of-view": _keep_view_of_view}
+READER_ACTIONS = {"drop": _drop, "write": _write, "write-every-other-page": _write_every_other_page,
+                  "view-of-view": _keep_view_of_view}
 
 
 def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int] | None]:
