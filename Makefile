@@ -80,7 +80,7 @@ endif
 e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...) on the 256k-vocab variant (TESTBED_MODEL=/model: the small one), report in reports/
 	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks: broadcast, shm tensor arena vs ring vs overflow vs memcpy, compiled-graph channel, in-flight cap on a pipeline, end to end per mode (inflight opt-in: docs/bench.md); QUICK=1: ~70 s, no server start
+bench: $(E2E_DEPS) ## benchmarks, each mode beside memcpy with ratios, 95% intervals and the noise: broadcast (1/2/4 local and remote readers), shm tensor arena, channel and detach, in-flight cap on a pipeline, end to end; a Goals section (issue 47); QUICK=1: ~75 s, no server start
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)

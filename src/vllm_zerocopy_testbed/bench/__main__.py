@@ -38,27 +38,35 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{time.monotonic() - start:6.1f} s] {text}", flush=True)
 
     results: dict[str, list] = {"broadcast": [], "arena": [], "channel": [], "detach": [], "pipeline": [], "e2e": []}
-    if "broadcast" in parts:
-        say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
-        results["broadcast"] = broadcast.run(quick=args.quick, progress=lambda f: say(
-            f"  {f.topology:8} {f.nbytes >> 10:>7} KiB {f.mode:8} {f.message.median_ms:9.2f} ms/msg "
-            f"(spread {f.message.spread:.0%}, n={f.message.n}, enqueue {f.enqueue_ms:.2f} ms, "
-            f"{f.ratio_to_memcpy:.1f} x memcpy"
-            + (f", {f.vs_upstream:.2f} x upstream" if f.vs_upstream is not None and f.mode != "upstream" else "")
-            + ")"))
-    if "arena" in parts:
-        say("arena: vLLM 0.32's shm tensor arena (upstream/testbed taking turns) vs ring vs overflow vs memcpy, "
-            "local readers, every page read")
-        results["arena"] = arena.run(quick=args.quick, progress=lambda f: say(
-            f"  {f.readers} reader(s) {f.nbytes >> 20:>4} MiB {f.transport:14} {f.message.median_ms:8.2f} ms/msg "
-            f"(spread {f.message.spread:.0%}, n={f.message.n}, {f.gib_per_s:.2f} GiB/s, {f.ratio_to_memcpy:.1f} x memcpy"
-            + (f", {f.vs_upstream:.2f} x arena upstream" if f.vs_upstream is not None else "") + ")"))
+    floors = {}  # memcpy of every size the broadcast and arena parts send, before any reader starts
+    with broadcast.one_copy_thread():
+        if "broadcast" in parts or "arena" in parts:
+            wanted = set(broadcast.sizes(args.quick) if "broadcast" in parts else ()) | set(
+                arena.sizes(args.quick) if "arena" in parts else ())
+            floors = broadcast.memcpy_floors(wanted, quick=args.quick)
+            say("memcpy on one thread (the writer copies on one too): " + ", ".join(f"{n >> 10} KiB {s.median_ms:.3f} ms" for n, s in floors.items()))
+        if "broadcast" in parts:
+            say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
+            results["broadcast"] = broadcast.run(quick=args.quick, baselines=floors, progress=lambda f: say(
+                f"  {f.topology:8} {f.nbytes >> 10:>7} KiB {f.mode:8} {f.message.median_ms:9.2f} ms/msg "
+                f"(spread {f.message.spread:.0%}, n={f.message.n}, enqueue {f.enqueue_ms:.2f} ms, "
+                f"{f.ratio_to_memcpy:.1f} x memcpy"
+                + (f", {f.vs_upstream:.2f} x upstream" if f.vs_upstream is not None and f.mode != "upstream" else "")
+                + ")"))
+        if "arena" in parts:
+            say("arena: vLLM 0.32's shm tensor arena, upstream/testbed taking turns, then off, beside memcpy; "
+                "local readers, every page read")
+            results["arena"] = arena.run(quick=args.quick, baselines=floors, progress=lambda f: say(
+                f"  {f.readers} reader(s) {f.nbytes >> 20:>4} MiB {f.transport:14} {f.message.median_ms:8.2f} ms/msg "
+                f"(spread {f.message.spread:.0%}, n={f.message.n}, {f.gib_per_s:.2f} GiB/s, {f.ratio_to_memcpy:.1f} x memcpy"
+                + (f", {f.ratio.median:.2f} x arena upstream [{f.ratio.low:.2f}-{f.ratio.high:.2f}]" if f.ratio else "")
+                + ")"))
     if "channel" in parts:
         say("channel: compiled graph over two Ray nodes, none/detach/lists")
         results["channel"] = channel.run(quick=args.quick, note=lambda n: (notes.append(n), say(n)), progress=lambda f: say(
             f"  {f.num_reqs:5} reqs {f.variant:7} {f.step.median_ms:8.3f} ms/step (spread {f.step.spread:.0%}"
             + (f", {f.vs_none:.2f} x none" if f.vs_none is not None and f.variant != "none" else "") + ")"))
-        say("channel: the detach alone on one output of 2048 requests per field shape, testbed vs upstream")
+        say("channel: the detach alone on one output of 2048 requests per field shape, per mode, beside memcpy")
         results["detach"] = detach.run(quick=args.quick, progress=lambda f: say(
             f"  {f.shape:16} {f.variant:8} {f.detach.median_ms:8.4f} ms (spread {f.detach.spread:.0%})"
             + (f", {f.vs_upstream:.2f} x upstream" if f.variant != "upstream" else "")))

@@ -1,20 +1,24 @@
-"""vLLM 0.32's shared-memory tensor arena beside the other local transports and a memcpy (issue 23).
+"""vLLM 0.32's shared-memory tensor arena per arena mode, beside a memcpy of the same bytes (issues 23, 47).
 
-One writer (this process) and 1-3 local reader processes through the real ``MessageQueue``.
-A message is one CPU tensor of 8-256 MiB; it counts from ``enqueue`` until the last reader had
-it rebuilt and had read one byte of every page (``touch``): a zero-copy view costs nothing until
-it is read, and a mapping's page faults are its price. Transports, each on its own queue:
+One writer (this process) and 1, 2 or 4 local reader processes through one real ``MessageQueue``
+with ``enable_shm_tensor_arena=True`` (vLLM's 24 MiB ring chunk). A message is one CPU tensor of
+8-256 MiB; it counts from ``enqueue`` until the last reader had it rebuilt and had read one byte of
+every page (``touch``): a zero-copy view costs nothing until it is read, and a mapping's page
+faults are its price. The writer switches ``TESTBED_ARENA`` between messages (the stub it pickles
+names the rebuild):
 
-* ``arena upstream`` / ``arena testbed``: ``enable_shm_tensor_arena=True``: the writer copies the
-  tensor once into a slot; readers map it (vLLM's shared view, or the testbed's private
-  copy-on-write mapping). The two take turns message by message on one writer and one set of
-  readers (the arena mode is switched in the writer: the stub it pickles names the rebuild).
-* ``ring``: no arena, a ring chunk as large as the message (``VLLM_MQ_MAX_CHUNK_BYTES_MB``
-  raised to fit; vLLM's default 24 MiB takes only the 8 and 16 MiB cells): the writer copies
-  into the ring, each reader copies out.
-* ``overflow``: no arena, 1 MiB chunks: the tensor goes out of band over the local ZMQ socket.
+* ``arena upstream`` / ``arena testbed``: the writer copies the tensor once into a slot; readers
+  view it (vLLM's shared view, or the testbed's private copy-on-write mapping, kept per slot).
+  The two take turns message by message on the same writer and readers.
+* ``arena off``: the pickler ignores the arena, as before vLLM 0.32: the tensor goes out of band
+  (into the ring up to its 24 MiB chunk, over the local ZMQ socket above). In a block of its own
+  after the pair, as the broadcast part's ``off`` (its heavier messages slow the next ones).
 
-Goal (issue 23): the arena within 2x of a memcpy of the same bytes (measured in the same run).
+Where the time goes, measured in the same run: ``slot write``, the writer's copy into the slot
+(vLLM's ``write_tensor``, the same in both arena modes); and the queue's ``floor``, a message of
+one 4 KiB tensor on the same queue and readers (what any message costs, however small).
+
+Goal (issues 23 and 47): the arena within 2x of a memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from typing import Callable
 
 import torch
 
-from vllm_zerocopy_testbed.bench.broadcast import memcpy
-from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample, until_stable
+from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, paired, sample, self_ratio, until_stable
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import RECEIVED_AT, MessageQueueHarness, QueueTopology
 from vllm_zerocopy_testbed.patches import arena
@@ -34,8 +37,9 @@ from vllm_zerocopy_testbed.patches import arena
 MiB = 1 << 20
 FULL_SIZES = (8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (8 * MiB, 64 * MiB)
-ARENA_MODES = (PatchMode.UPSTREAM, PatchMode.TESTBED)
+ARENA_MODES = (PatchMode.UPSTREAM, PatchMode.TESTBED)  # take turns; OFF runs in a block of its own
 GOAL_X_MEMCPY = 2.0
+FLOOR_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,14 @@ class ArenaFigure:
 
     readers: int
     nbytes: int
-    transport: str  # "arena upstream", "arena testbed", "ring", "overflow"
+    transport: str  # "arena upstream", "arena testbed", "arena off"
     message: Sample
     memcpy: Sample
-    # arena testbed only: round-by-round ratio to arena upstream (same rounds), and its spread
-    vs_upstream: float | None = None
-    vs_upstream_spread: float | None = None
+    # arena testbed: round-by-round ratio to arena upstream (same rounds), and upstream against itself
+    ratio: Ratio | None = None
+    noise: Ratio | None = None
+    slot_write_ms: float | None = None  # the writer's copy into the slot (arena modes)
+    floor_ms: float | None = None  # a 4 KiB message on the same queue and readers
 
     @property
     def ratio_to_memcpy(self) -> float:
@@ -60,8 +66,8 @@ class ArenaFigure:
         return self.nbytes / (1 << 30) / (self.message.median_ms / 1e3)
 
 
-def _harness(readers: int, *, arena_on: bool, chunk: int) -> MessageQueueHarness:
-    topology = QueueTopology(local_readers=readers, max_chunk_bytes=chunk, arena=arena_on)
+def _harness(readers: int) -> MessageQueueHarness:
+    topology = QueueTopology(local_readers=readers, arena=True)
     return MessageQueueHarness(topology, PatchMode.UPSTREAM, timeout=120, ack_only=True, touch=True)
 
 
@@ -81,52 +87,68 @@ def _warm(once: Callable[[], float], times: int = 2) -> None:
         once()
 
 
+def _timed_slot_writes(harness: MessageQueueHarness) -> list[float]:
+    """Time every ``write_tensor`` of the writer's arena (ms), into the list returned."""
+    tensor_arena = harness.writer.tensor_arena
+    installed, times = tensor_arena.write_tensor, []
+
+    def write_tensor(tensor: torch.Tensor) -> int | None:
+        start = time.perf_counter()
+        try:
+            return installed(tensor)
+        finally:
+            times.append((time.perf_counter() - start) * 1e3)
+
+    tensor_arena.write_tensor = write_tensor
+    return times
+
+
 def measure(readers: int, sizes: tuple[int, ...], *, budget_s: float, baselines: dict[int, Sample],
             progress: Callable[[ArenaFigure], None]) -> list[ArenaFigure]:
-    """Every size and transport for ``readers`` local readers (one queue per transport); a size's
-    memcpy is measured into ``baselines`` the first time it is met, beside warm readers."""
+    """Every size and transport for ``readers`` local readers on one queue; ``baselines``: the
+    memcpy of each size (``broadcast.memcpy_floors``)."""
     figures: list[ArenaFigure] = []
-    tensors = {n: torch.randn(n // 4) for n in sizes}
-
-    def add(figure: ArenaFigure) -> None:
-        figures.append(figure)
-        progress(figure)
-
     try:
-        with _harness(readers, arena_on=True, chunk=24 * MiB) as harness:
+        with _harness(readers) as harness:
+            floor_once = _timer(harness, torch.randn(FLOOR_BYTES // 4))
+            _warm(floor_once, 20)
+            floor = until_stable(floor_once, min_n=20, max_n=500, budget_s=budget_s).median_ms
+            writes = _timed_slot_writes(harness)
             for nbytes in sizes:
-                timers = {mode: _timer(harness, tensors[nbytes], before=lambda m=mode: arena.apply(m))
-                          for mode in ARENA_MODES}
+                tensor = torch.randn(nbytes // 4)
+                timers = {mode: _timer(harness, tensor, before=lambda m=mode: arena.apply(m))
+                          for mode in (*ARENA_MODES, PatchMode.OFF)}
                 for once in timers.values():
                     _warm(once)
-                if nbytes not in baselines:
-                    # here, not before the run: measured up front, it once caught the previous part's
-                    # readers exiting (8 MiB: 7.99 ms, against 0.17-0.26 ms on a quiet machine)
-                    baselines[nbytes] = memcpy(nbytes, budget_s)
-                times = interleaved(timers, min_n=7, max_n=300, budget_s=budget_s * len(ARENA_MODES))
+                writes.clear()
+                times = interleaved({m: timers[m] for m in ARENA_MODES}, min_n=7, max_n=300,
+                                    budget_s=budget_s * len(ARENA_MODES))
+                slot_write = sample(writes).median_ms if writes else None
+                times.update(interleaved({PatchMode.OFF: timers[PatchMode.OFF]}, min_n=7, max_n=300,
+                                         budget_s=budget_s))
                 base = times[PatchMode.UPSTREAM]
-                for mode in ARENA_MODES:
-                    ratio, ratio_spread = paired_ratio(times[mode], base) if mode is PatchMode.TESTBED else (None, None)
-                    add(ArenaFigure(readers, nbytes, f"arena {mode.value}", sample(times[mode]), baselines[nbytes],
-                                    ratio, ratio_spread))
+                for mode in (*ARENA_MODES, PatchMode.OFF):
+                    testbed = mode is PatchMode.TESTBED
+                    figure = ArenaFigure(readers, nbytes, f"arena {mode.value}", sample(times[mode]),
+                                         baselines[nbytes], paired(times[mode], base) if testbed else None,
+                                         self_ratio(base) if testbed else None,
+                                         slot_write if mode in ARENA_MODES else None, floor)
+                    figures.append(figure)
+                    progress(figure)
     finally:
         arena.apply(PatchMode.TESTBED)
-    for transport, chunk in (("ring", max(sizes) + MiB), ("overflow", MiB)):
-        with _harness(readers, arena_on=False, chunk=chunk) as harness:
-            for nbytes in sizes:
-                once = _timer(harness, tensors[nbytes])
-                _warm(once)
-                add(ArenaFigure(readers, nbytes, transport, until_stable(once, min_n=7, max_n=300, budget_s=budget_s),
-                                baselines[nbytes]))
     return figures
 
 
-def run(*, quick: bool, progress: Callable[[ArenaFigure], None]) -> list[ArenaFigure]:
-    """The grid: 1-3 readers (quick: 2), 8-256 MiB (quick: 8 and 64 MiB), every transport."""
-    sizes = QUICK_SIZES if quick else FULL_SIZES
-    budget = 1.0 if quick else 2.5
-    baselines: dict[int, Sample] = {}  # memcpy per size, measured at first use (``measure``)
+def sizes(quick: bool) -> tuple[int, ...]:
+    return QUICK_SIZES if quick else FULL_SIZES
+
+
+def run(*, quick: bool, baselines: dict[int, Sample], progress: Callable[[ArenaFigure], None]) -> list[ArenaFigure]:
+    """The grid: 1, 2 and 4 readers (quick: 2), 8-256 MiB (quick: 8 and 64 MiB), every transport;
+    ``baselines``: the memcpy of each size, measured before any reader started."""
+    budget = 1.0 if quick else 2.0
     figures = []
-    for readers in ((2,) if quick else (1, 2, 3)):
-        figures += measure(readers, sizes, budget_s=budget, baselines=baselines, progress=progress)
+    for readers in ((2,) if quick else (1, 2, 4)):
+        figures += measure(readers, sizes(quick), budget_s=budget, baselines=baselines, progress=progress)
     return figures

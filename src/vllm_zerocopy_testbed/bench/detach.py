@@ -5,8 +5,11 @@ part times the detach function alone on a ``ModelRunnerOutput`` as Ray's channel
 it over (numpy arrays read-only, torch tensors already copied by Ray), one shape per
 field upstream's function knows: logprobs (k=20), plus ``prompt_logprobs_dict`` (torch),
 plus ``pooler_output`` (torch), plus auxiliary rows (numpy, one array per request).
-Both functions take turns output by output, each on an output of its own built before
-the clock starts; ``/ upstream`` is the median of each round's ratio.
+The three modes' functions (``upstream``: vLLM's as installed; ``testbed``: ours; ``off``: none,
+the call alone) take turns output by output, each on an output of its own built before the clock
+starts; ``/ upstream`` is the median of each round's ratio, with its 95% interval and upstream's
+ratio to itself (the noise). Beside them, ``memcpy``: one copy of as many bytes as the output's
+read-only arrays hold (what copying them costs at the least).
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample
+from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, paired, sample, self_ratio, until_stable
 
 SHAPES = ("logprobs", "prompt_logprobs", "pooler_output", "aux_rows")
 NUM_REQS = 2048
-VARIANTS = ("upstream", "testbed")
+VARIANTS = ("upstream", "testbed", "off")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class DetachFigure:
     detach: Sample
     vs_upstream: float | None = None
     vs_upstream_spread: float | None = None
+    ratio: Ratio | None = None  # testbed and off: round-by-round ratio to upstream, with its interval
+    noise: Ratio | None = None  # upstream against itself
+    copied_bytes: int = 0  # the output's read-only array bytes
+    memcpy: Sample | None = None  # one copy of that many bytes
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -56,6 +63,11 @@ class _Outputs:
         self.rows = ([rng.integers(0, 64, size=(4, 8), dtype=np.int32) for _ in range(num_reqs)]
                      if shape == "aux_rows" else None)
 
+    @property
+    def readonly_bytes(self) -> int:
+        """Bytes in the read-only arrays of each fresh output (what a detach must copy)."""
+        return sum(a.nbytes for a in self.arrays) + sum(r.nbytes for r in self.rows or ())
+
     def fresh(self) -> Any:
         import copy
 
@@ -71,13 +83,24 @@ class _Outputs:
         return out
 
 
+def memcpy(nbytes: int, budget_s: float) -> Sample:
+    """Time one numpy copy of ``nbytes`` between two pre-touched buffers."""
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+
+    def once() -> float:
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        return (time.perf_counter() - start) * 1e3
+
+    return until_stable(once, min_n=20, max_n=2000, budget_s=budget_s)
+
+
 def run(*, quick: bool, progress: Callable[[DetachFigure], None]) -> list[DetachFigure]:
-    """Time both detach functions per shape, in this process; return the figures."""
-    from vllm.v1.executor.ray_utils import detach_zero_copy_from_model_runner_output as upstream
+    """Time the three modes' detach functions per shape, in this process; return the figures."""
+    from vllm_zerocopy_testbed.config import PatchMode
+    from vllm_zerocopy_testbed.patches.detach import resolve
 
-    from vllm_zerocopy_testbed.patches.detach import detach_output
-
-    functions = {"upstream": upstream, "testbed": detach_output}
+    functions = {variant: resolve(PatchMode(variant)) for variant in VARIANTS}
     figures = []
     for shape in SHAPES:
         outputs = _Outputs(shape, NUM_REQS)
@@ -93,10 +116,15 @@ def run(*, quick: bool, progress: Callable[[DetachFigure], None]) -> list[Detach
         timers = {name: timer(f) for name, f in functions.items()}
         for once in list(timers.values()) * 3:
             once()
-        times = interleaved(timers, min_n=20, max_n=400 if not quick else 100, budget_s=2.0 if quick else 5.0)
+        floor = memcpy(outputs.readonly_bytes, 0.5 if quick else 1.0)
+        times = interleaved(timers, min_n=20, max_n=400 if not quick else 100, budget_s=2.0 if quick else 6.0)
+        base = times["upstream"]
         for variant in VARIANTS:
-            ratio, ratio_spread = paired_ratio(times[variant], times["upstream"])
-            figure = DetachFigure(shape, variant, NUM_REQS, sample(times[variant]), ratio, ratio_spread)
+            ratio = paired(times[variant], base)
+            figure = DetachFigure(shape, variant, NUM_REQS, sample(times[variant]), ratio.median, ratio.spread,
+                                  ratio if variant != "upstream" else None,
+                                  self_ratio(base) if variant == "testbed" else None,
+                                  outputs.readonly_bytes, floor)
             figures.append(figure)
             progress(figure)
     return figures

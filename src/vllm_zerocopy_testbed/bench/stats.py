@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -70,3 +71,47 @@ def paired_ratio(values: Sequence[float], base: Sequence[float]) -> tuple[float,
     """Return the median and the spread of the round-by-round ratios of ``values`` to ``base``."""
     ratios = paired_ratios(values, base)
     return statistics.median(ratios), spread(ratios)
+
+
+def median_ci(values: Sequence[float]) -> tuple[float, float]:
+    """Return a 95% confidence interval of the median of ``values``, free of any assumed
+    distribution: the order statistics n/2 -+ 0.98 sqrt(n) (the binomial's normal approximation;
+    with fewer than 6 values, the smallest and the largest)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n < 6:
+        return ordered[0], ordered[-1]
+    half = 0.98 * math.sqrt(n)
+    return ordered[max(0, math.floor(n / 2 - half))], ordered[min(n - 1, math.ceil(n / 2 + half))]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio's median over rounds, its spread (IQR / median) and its median's 95% interval."""
+
+    median: float
+    spread: float
+    low: float
+    high: float
+    n: int
+
+
+def ratio_of(ratios: Sequence[float]) -> Ratio:
+    low, high = median_ci(ratios)
+    return Ratio(statistics.median(ratios), spread(list(ratios)), low, high, len(ratios))
+
+
+def paired(values: Sequence[float], base: Sequence[float]) -> Ratio:
+    """``values`` over ``base``, round by round (``paired_ratios``), as a ``Ratio``."""
+    return ratio_of(paired_ratios(values, base))
+
+
+def self_ratio(base: Sequence[float], period: int = 2) -> Ratio | None:
+    """The machine's noise as a ratio: ``base`` against itself, each round over the round ``period``
+    later (with ``period`` variants taking turns, rotated each round, the one where ``base`` held
+    the same place: its place in a round moves its time, measured up to 13%); None below two pairs."""
+    pairs = [(later, earlier) for start in range(0, len(base) - period, 2 * period)
+             for earlier, later in zip(base[start:start + period], base[start + period:start + 2 * period])]
+    if len(pairs) < 2:
+        return None
+    return ratio_of([later / earlier for later, earlier in pairs])
