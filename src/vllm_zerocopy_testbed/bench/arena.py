@@ -15,7 +15,9 @@ names the rebuild):
   after the pair, as the broadcast part's ``off`` (its heavier messages slow the next ones).
 
 Where the time goes, measured in the same run: ``slot write``, the writer's copy into the slot
-(vLLM's ``write_tensor``, the same in both arena modes); and the queue's ``floor``, a message of
+(vLLM's ``write_tensor``; the testbed points it at the free slot written last, still in the caches,
+where vLLM's round robin takes the coldest: taking turns with it, the testbed's slots are the ones
+vLLM's writes just left, so this part understates the difference); and the queue's ``floor``, a message of
 one 4 KiB tensor on the same queue and readers (what any message costs, however small).
 
 Goal (issues 23 and 47): the arena within 2x of a memcpy of the same bytes.
@@ -87,17 +89,18 @@ def _warm(once: Callable[[], float], times: int = 2) -> None:
         once()
 
 
-def _timed_slot_writes(harness: MessageQueueHarness) -> list[float]:
-    """Time every ``write_tensor`` of the writer's arena (ms), into the list returned."""
+def _timed_slot_writes(harness: MessageQueueHarness) -> dict[PatchMode, list[float]]:
+    """Time every ``write_tensor`` of the writer's arena (ms), per arena mode in force, into the
+    lists returned (the modes choose slots differently: vLLM's round robin, the testbed's warmest)."""
     tensor_arena = harness.writer.tensor_arena
-    installed, times = tensor_arena.write_tensor, []
+    installed, times = tensor_arena.write_tensor, {mode: [] for mode in ARENA_MODES}
 
     def write_tensor(tensor: torch.Tensor) -> int | None:
         start = time.perf_counter()
         try:
             return installed(tensor)
         finally:
-            times.append((time.perf_counter() - start) * 1e3)
+            times.setdefault(arena.active_mode(), []).append((time.perf_counter() - start) * 1e3)
 
     tensor_arena.write_tensor = write_tensor
     return times
@@ -120,10 +123,11 @@ def measure(readers: int, sizes: tuple[int, ...], *, budget_s: float, baselines:
                           for mode in (*ARENA_MODES, PatchMode.OFF)}
                 for once in timers.values():
                     _warm(once)
-                writes.clear()
+                for values in writes.values():
+                    values.clear()
                 times = interleaved({m: timers[m] for m in ARENA_MODES}, min_n=7, max_n=300,
                                     budget_s=budget_s * len(ARENA_MODES))
-                slot_write = sample(writes).median_ms if writes else None
+                slot_write = {m: sample(writes[m]).median_ms if writes.get(m) else None for m in ARENA_MODES}
                 times.update(interleaved({PatchMode.OFF: timers[PatchMode.OFF]}, min_n=7, max_n=300,
                                          budget_s=budget_s))
                 base = times[PatchMode.UPSTREAM]
@@ -132,7 +136,7 @@ def measure(readers: int, sizes: tuple[int, ...], *, budget_s: float, baselines:
                     figure = ArenaFigure(readers, nbytes, f"arena {mode.value}", sample(times[mode]),
                                          baselines[nbytes], paired(times[mode], base) if testbed else None,
                                          self_ratio(base) if testbed else None,
-                                         slot_write if mode in ARENA_MODES else None, floor)
+                                         slot_write.get(mode), floor)
                     figures.append(figure)
                     progress(figure)
     finally:

@@ -169,12 +169,37 @@ class ArenaPickler(pickle.Pickler):
         nbytes = obj.numel() * obj.element_size()
         if nbytes < self.min_bytes:
             return NotImplemented
+        _prefer_warm_slot(self.arena)
         slot = self.arena.write_tensor(obj)
         if slot is None:
             return NotImplemented
         claims(self.arena).append(slot)
+        _written_order(self.arena).append(slot)
         return rebuild, (self.arena.shared_memory.name, slot, nbytes, str(obj.dtype).removeprefix("torch."),
                          tuple(obj.shape))
+
+
+def _written_order(arena: Any) -> list[int]:
+    """The slots the testbed's pickler wrote on ``arena``, oldest first (each once)."""
+    found = getattr(arena, "_testbed_written", None)
+    if found is None:
+        found = arena._testbed_written = []
+    if len(found) > 2 * arena.n_slots:
+        found[:] = list(dict.fromkeys(reversed(found)))[::-1]
+    return found
+
+
+def _prefer_warm_slot(arena: Any) -> None:
+    """Point vLLM's ``write_tensor`` at the free slot written most recently, whose pages are still
+    in the caches: its own round robin over 8 slots of 256 MiB writes to the coldest one, and an
+    8 MiB write took 1.38 ms that way against 0.78 ms alternating two slots (a memcpy: 0.73 ms,
+    one thread). Free is vLLM's rule (never written, or freed by every reader); ``write_tensor``
+    checks it again and probes on from there if the slot was taken meanwhile."""
+    for slot in reversed(_written_order(arena)):
+        with arena._meta(slot) as meta:
+            if meta[0] == 0 or sum(meta[1:]) == arena.n_reader:
+                arena._next_slot = slot
+                return
 
 
 class NoArenaPickler(pickle.Pickler):
