@@ -180,7 +180,8 @@ class ArenaPickler(pickle.Pickler):
 
 
 def _written_order(arena: Any) -> list[int]:
-    """The slots the testbed's pickler wrote on ``arena``, oldest first (each once)."""
+    """The slots the testbed's pickler wrote on ``arena``, the latest last (a slot may appear more
+    than once; past twice the slot count the list keeps each slot's latest place only)."""
     found = getattr(arena, "_testbed_written", None)
     if found is None:
         found = arena._testbed_written = []
