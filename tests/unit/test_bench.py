@@ -53,9 +53,9 @@ def test_detach_table_gives_the_paired_ratio_to_upstream_and_the_memcpy_of_the_c
     from vllm_zerocopy_testbed.bench.report import detach_table
 
     floor = Sample(0.05, 0.02, 400)
-    table = detach_table([DetachFigure("aux_rows", "upstream", 2048, Sample(0.8, 0.01, 400), 1.0, 0.0,
+    table = detach_table([DetachFigure("aux_rows", "upstream", 2048, Sample(0.8, 0.01, 400),
                                        copied_bytes=300 << 10, memcpy=floor),
-                          DetachFigure("aux_rows", "testbed", 2048, Sample(0.7, 0.02, 400), 0.87, 0.07,
+                          DetachFigure("aux_rows", "testbed", 2048, Sample(0.7, 0.02, 400),
                                        Ratio(0.87, 0.07, 0.85, 0.9, 400), Ratio(1.0, 0.05, 0.99, 1.01, 200),
                                        300 << 10, floor)])
     assert "| aux_rows | upstream | 0.8000 | 1% | 300 KiB | 0.0500 | 16.0 | - | - |" in table
@@ -147,8 +147,8 @@ def test_goals_say_met_or_the_measured_reason() -> None:
                          floor_ms=0.3),
              ArenaFigure(2, 8 << 20, "arena testbed", Sample(1.8, 0.1, 50), memcpy, same, same, 0.8, 0.3),
              ArenaFigure(2, 8 << 20, "arena off", Sample(2.5, 0.1, 50), memcpy, floor_ms=0.3)]
-    detach = [DetachFigure("logprobs", "testbed", 2048, Sample(0.02, 0.05, 400), 1.08, 0.05),
-              DetachFigure("aux_rows", "testbed", 2048, Sample(0.9, 0.05, 400), 1.2, 0.05)]
+    detach = [DetachFigure("logprobs", "testbed", 2048, Sample(0.02, 0.05, 400), Ratio(1.08, 0.05, 1.07, 1.09, 400)),
+              DetachFigure("aux_rows", "testbed", 2048, Sample(0.9, 0.05, 400), Ratio(1.2, 0.05, 1.19, 1.21, 400))]
     lines = goals(broadcast=broadcast, arena=arena, detach=detach, meta={"quick": True, "seconds": 70})
     assert lines[0].startswith("broadcast, testbed <= 1.00x upstream") and "**not met** in 1 of 2 cells" in lines[0]
     assert "local-4 16 MiB: 1.05 [1.03-1.07]" in lines[0] and "remote-1" not in lines[0]

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
             wanted = set(broadcast.sizes(args.quick) if "broadcast" in parts else ()) | set(
                 arena.sizes(args.quick) if "arena" in parts else ())
             floors = broadcast.memcpy_floors(wanted, quick=args.quick)
-            say("memcpy on one thread (the writer copies on one too): " + ", ".join(f"{n >> 10} KiB {s.median_ms:.3f} ms" for n, s in floors.items()))
+            say("memcpy on one thread (the writer copies on one too): "
+                + ", ".join(f"{n >> 10} KiB {s.median_ms:.3f} ms" for n, s in floors.items()))
         if "broadcast" in parts:
             say("broadcast: MessageQueue, upstream/testbed taking turns per message, then off")
             results["broadcast"] = broadcast.run(quick=args.quick, baselines=floors, progress=lambda f: say(
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         say("channel: the detach alone on one output of 2048 requests per field shape, per mode, beside memcpy")
         results["detach"] = detach.run(quick=args.quick, progress=lambda f: say(
             f"  {f.shape:16} {f.variant:8} {f.detach.median_ms:8.4f} ms (spread {f.detach.spread:.0%})"
-            + (f", {f.vs_upstream:.2f} x upstream" if f.variant != "upstream" else "")))
+            + (f", {f.ratio.median:.2f} x upstream" if f.ratio else "")))
     if "pipeline" in parts:
         say(f"pipeline: PP=2 x TP=2 compiled graph, {pipeline.STAGE_MS:g} ms of device time per stage, "
             f"vLLM's in-flight count per inflight mode")

@@ -15,10 +15,10 @@ names the rebuild):
   after the pair, as the broadcast part's ``off`` (its heavier messages slow the next ones).
 
 Where the time goes, measured in the same run: ``slot write``, the writer's copy into the slot
-(vLLM's ``write_tensor``; the testbed points it at the free slot written last, still in the caches,
-where vLLM's round robin takes the coldest: taking turns with it, the testbed's slots are the ones
-vLLM's writes just left, so this part understates the difference); and the queue's ``floor``, a message of
-one 4 KiB tensor on the same queue and readers (what any message costs, however small).
+(vLLM's ``write_tensor``; the testbed points it at the free slot written last, still in the
+caches, where vLLM's round robin takes the coldest: taking turns with it, the testbed's slots are
+the ones vLLM's writes just left, so this part understates the difference); and the queue's
+``floor``, a message of one 4 KiB tensor on the same queue and readers (what any message costs).
 
 Goal (issues 23 and 47): the arena within 2x of a memcpy of the same bytes.
 """

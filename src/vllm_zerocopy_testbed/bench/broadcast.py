@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, paired, sample, self_ratio, until_stable
+from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, memcpy, paired, sample, self_ratio
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.message_queue import RECEIVED_AT, MessageQueueHarness, QueueTopology
 from vllm_zerocopy_testbed.patches import broadcast
@@ -105,8 +105,8 @@ def threads_on(cpus: frozenset[int] | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_copy_thread() -> Iterator[None]:
-    """Run this process's torch copies on one thread (restored after): the writer's copies and the
-    memcpy they are measured against. With torch's 2 threads on 2 cores, the second waits for a
+    """Run this process's torch copies on one thread (restored after), as the memcpy they are
+    measured against (``stats.memcpy``) runs. With torch's 2 threads on 2 cores, the second waits for a
     core that a polling local reader holds: vLLM's 8 MiB slot write read 6.7 ms beside 2 arena
     readers (one thread: 1.39 ms; the 2-thread memcpy alone 0.32 ms), in some runs and not others."""
     before = torch.get_num_threads()
@@ -115,18 +115,6 @@ def one_copy_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def memcpy(nbytes: int, budget_s: float) -> Sample:
-    """Time copying ``nbytes`` between two pre-touched buffers (the physical floor of a copy)."""
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-
-    def once() -> float:
-        start = time.perf_counter()
-        dst.copy_(src)
-        return (time.perf_counter() - start) * 1e3
-
-    return until_stable(once, min_n=7, max_n=200, budget_s=budget_s)
 
 
 def measure(topology: str, sizes: tuple[int, ...], *, budget_s: float, baselines: dict[int, Sample],

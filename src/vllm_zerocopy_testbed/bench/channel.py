@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_zerocopy_testbed.bench.ray_child import run_driver
-from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired, sample
 
 VARIANTS = ("none", "detach", "lists")
 FULL_REQS = (8, 64, 512, 2048)
@@ -102,9 +102,10 @@ def _driver(address: str, reqs: list[int], budget_s: float) -> None:
             once()
         times = interleaved(timers, min_n=10, max_n=300, budget_s=budget_s * len(VARIANTS))
         for variant in VARIANTS:
-            step, (ratio, ratio_spread) = sample(times[variant]), paired_ratio(times[variant], times["none"])
+            step, ratio = sample(times[variant]), paired(times[variant], times["none"])
             results.append({"variant": variant, "num_reqs": num_reqs, "median_ms": step.median_ms,
-                            "spread": step.spread, "n": step.n, "vs_none": ratio, "vs_none_spread": ratio_spread})
+                            "spread": step.spread, "n": step.n, "vs_none": ratio.median,
+                            "vs_none_spread": ratio.spread})
     print(json.dumps(results))
     sys.stdout.flush()
     os._exit(0)

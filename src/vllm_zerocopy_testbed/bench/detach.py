@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, paired, sample, self_ratio, until_stable
+from vllm_zerocopy_testbed.bench.stats import Ratio, Sample, interleaved, memcpy, paired, sample, self_ratio
 
 SHAPES = ("logprobs", "prompt_logprobs", "pooler_output", "aux_rows")
 NUM_REQS = 2048
@@ -33,8 +33,6 @@ class DetachFigure:
     variant: str
     num_reqs: int
     detach: Sample
-    vs_upstream: float | None = None
-    vs_upstream_spread: float | None = None
     ratio: Ratio | None = None  # testbed and off: round-by-round ratio to upstream, with its interval
     noise: Ratio | None = None  # upstream against itself
     copied_bytes: int = 0  # the output's read-only array bytes
@@ -83,18 +81,6 @@ class _Outputs:
         return out
 
 
-def memcpy(nbytes: int, budget_s: float) -> Sample:
-    """Time one numpy copy of ``nbytes`` between two pre-touched buffers."""
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-
-    def once() -> float:
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        return (time.perf_counter() - start) * 1e3
-
-    return until_stable(once, min_n=20, max_n=2000, budget_s=budget_s)
-
-
 def run(*, quick: bool, progress: Callable[[DetachFigure], None]) -> list[DetachFigure]:
     """Time the three modes' detach functions per shape, in this process; return the figures."""
     from vllm_zerocopy_testbed.config import PatchMode
@@ -120,9 +106,8 @@ def run(*, quick: bool, progress: Callable[[DetachFigure], None]) -> list[Detach
         times = interleaved(timers, min_n=20, max_n=400 if not quick else 100, budget_s=2.0 if quick else 6.0)
         base = times["upstream"]
         for variant in VARIANTS:
-            ratio = paired(times[variant], base)
-            figure = DetachFigure(shape, variant, NUM_REQS, sample(times[variant]), ratio.median, ratio.spread,
-                                  ratio if variant != "upstream" else None,
+            figure = DetachFigure(shape, variant, NUM_REQS, sample(times[variant]),
+                                  paired(times[variant], base) if variant != "upstream" else None,
                                   self_ratio(base) if variant == "testbed" else None,
                                   outputs.readonly_bytes, floor)
             figures.append(figure)

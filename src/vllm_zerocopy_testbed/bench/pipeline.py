@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vllm_zerocopy_testbed.bench.ray_child import run_driver
-from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired_ratio, sample
+from vllm_zerocopy_testbed.bench.stats import Sample, interleaved, paired, sample
 
 STAGE_MS = 20.0
 EXECUTIONS_PER_ROUND = 20
@@ -104,10 +104,10 @@ def _driver(address: str, stage_ms: float, budget_s: float) -> None:
     times = interleaved(timers, min_n=5, max_n=40, budget_s=budget_s)
     results = []
     for mode, count in counts.items():
-        ratio, ratio_spread = paired_ratio(times[mode], times["upstream"])
-        step = sample(times[mode])
+        ratio, step = paired(times[mode], times["upstream"]), sample(times[mode])
         results.append({"mode": mode, "inflight": count, "stage_ms": stage_ms, "median_ms": step.median_ms,
-                        "spread": step.spread, "n": step.n, "vs_upstream": ratio, "vs_upstream_spread": ratio_spread})
+                        "spread": step.spread, "n": step.n, "vs_upstream": ratio.median,
+                        "vs_upstream_spread": ratio.spread})
     print(json.dumps(results))
     sys.stdout.flush()
     os._exit(0)

@@ -86,14 +86,10 @@ def detach_table(figures: list[DetachFigure]) -> str:
              "| x memcpy | / upstream (same rounds) [95%] | upstream / itself [95%] |",
              "|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
-        if f.ratio is not None or f.variant == "upstream":
-            ratio = _ratio(f.ratio)
-        else:
-            ratio = "-" if f.vs_upstream is None else f"{f.vs_upstream:.2f} ({_flag(f.vs_upstream_spread or 0.0)})"
         floor = f.memcpy.median_ms if f.memcpy else None
         lines.append(f"| {f.shape} | {f.variant} | {f.detach.median_ms:.4f} | {_flag(f.detach.spread)} | "
                      f"{f.copied_bytes >> 10} KiB | {'-' if floor is None else f'{floor:.4f}'} | "
-                     f"{'-' if not floor else f'{f.detach.median_ms / floor:.1f}'} | {ratio} | {_ratio(f.noise)} |")
+                     f"{'-' if not floor else f'{f.detach.median_ms / floor:.1f}'} | {_ratio(f.ratio)} | {_ratio(f.noise)} |")
     return "\n".join(lines)
 
 
@@ -145,12 +141,12 @@ def goals(*, broadcast: list[BroadcastFigure], arena: list[ArenaFigure], detach:
         lines.append(f"arena testbed <= {TESTBED_X_UPSTREAM:.2f}x arena upstream (isolation kept): "
                      + _verdict(len(arena_testbed), len(above), "cells") + "".join(
                          f"; {_cell(f)}: {_ratio(f.ratio)}, upstream / itself {_ratio(f.noise)}" for f in above))
-    detached = [f for f in detach if f.variant == "testbed"]
+    detached = [f for f in detach if f.variant == "testbed" and f.ratio is not None]
     if detached:
-        over = [f for f in detached if (f.vs_upstream or 0.0) > DETACH_X_UPSTREAM]
+        over = [f for f in detached if round(f.ratio.median, 2) > DETACH_X_UPSTREAM]  # as printed
         lines.append(f"detach, testbed <= {DETACH_X_UPSTREAM:g}x upstream at {detached[0].num_reqs} requests "
                      "(median of the paired ratios): " + _verdict(len(detached), len(over), "shapes") + ": "
-                     + ", ".join(f"{f.shape} {f.vs_upstream:.2f}" for f in detached))
+                     + ", ".join(f"{f.shape} {f.ratio.median:.2f}" for f in detached))
     if meta.get("quick"):
         seconds = meta.get("seconds", 0)
         lines.append(f"`make bench-quick` under {QUICK_SECONDS} s: " + ("**met**" if seconds < QUICK_SECONDS

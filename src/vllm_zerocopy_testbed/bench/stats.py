@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 STABLE_SPREAD = 0.05
 
 
@@ -38,6 +40,19 @@ def until_stable(measure: Callable[[], float], *, min_n: int, max_n: int, budget
     return sample(interleaved({"": measure}, min_n=min_n, max_n=max_n, budget_s=budget_s)[""])
 
 
+def memcpy(nbytes: int, budget_s: float) -> Sample:
+    """Time one copy of ``nbytes`` between two pre-touched buffers, on one thread (the least any
+    copy of those bytes costs): the floor every part measures itself against."""
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+
+    def once() -> float:
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        return (time.perf_counter() - start) * 1e3
+
+    return until_stable(once, min_n=20, max_n=2000, budget_s=budget_s)
+
+
 def sample(values: list[float]) -> Sample:
     return Sample(statistics.median(values), spread(values), len(values))
 
@@ -65,12 +80,6 @@ def interleaved(measures: dict[Any, Callable[[], float]], *, min_n: int, max_n: 
 def paired_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:
     """Return round-by-round ratios ``values[i] / base[i]`` (values measured in the same round)."""
     return [v / b for v, b in zip(values, base)]
-
-
-def paired_ratio(values: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
-    """Return the median and the spread of the round-by-round ratios of ``values`` to ``base``."""
-    ratios = paired_ratios(values, base)
-    return statistics.median(ratios), spread(ratios)
 
 
 def median_ci(values: Sequence[float]) -> tuple[float, float]:

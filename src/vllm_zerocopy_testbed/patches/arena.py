@@ -174,20 +174,24 @@ class ArenaPickler(pickle.Pickler):
         if slot is None:
             return NotImplemented
         claims(self.arena).append(slot)
-        _written_order(self.arena).append(slot)
+        _wrote(self.arena, slot)
         return rebuild, (self.arena.shared_memory.name, slot, nbytes, str(obj.dtype).removeprefix("torch."),
                          tuple(obj.shape))
 
 
 def _written_order(arena: Any) -> list[int]:
-    """The slots the testbed's pickler wrote on ``arena``, the latest last (a slot may appear more
-    than once; past twice the slot count the list keeps each slot's latest place only)."""
+    """The slots the testbed's pickler wrote on ``arena``, each once, the latest last."""
     found = getattr(arena, "_testbed_written", None)
     if found is None:
         found = arena._testbed_written = []
-    if len(found) > 2 * arena.n_slots:
-        found[:] = list(dict.fromkeys(reversed(found)))[::-1]
     return found
+
+
+def _wrote(arena: Any, slot: int) -> None:
+    order = _written_order(arena)
+    if slot in order:  # at most the arena's 8 slots
+        order.remove(slot)
+    order.append(slot)
 
 
 def _prefer_warm_slot(arena: Any) -> None:

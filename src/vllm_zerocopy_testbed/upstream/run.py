@@ -244,9 +244,9 @@ def measure_cost(finding: Finding, out: Path, patched: Path, rounds: int) -> Cos
             data = _bench_samples(run)
             medians[side].append(statistics.median(data["samples"]))
             every[side].extend(data["samples"])
-    ratio, spread = stats.paired_ratio(medians["patched"], medians["stock"])
+    ratio = stats.paired(medians["patched"], medians["stock"])
     return Cost(data["metric"], data.get("unit", "ms"), round(statistics.median(every["stock"]), 3),
-                round(statistics.median(every["patched"]), 3), round(ratio, 3), round(spread, 3), rounds)
+                round(statistics.median(every["patched"]), 3), round(ratio.median, 3), round(ratio.spread, 3), rounds)
 
 
 @dataclass
