@@ -1,5 +1,6 @@
 """vLLM 0.32's shared-memory tensor arena across processes: bit-exact, private to each reader, and a
-slot lifecycle that neither loses a tensor nor leaks a slot (issue 23).
+slot lifecycle that neither loses a tensor nor leaks a slot
+(findings/arena-shared-slot, findings/arena-leaked-slots).
 
 The writer is a real ``MessageQueue(enable_shm_tensor_arena=True)`` in this process, the readers
 spawned processes attached through its handle (``harness/message_queue.py``), as vLLM's
@@ -301,3 +302,60 @@ def test_a_failed_enqueue_leaks_no_slot(harness_for, arena_mode, expect) -> None
         harness.broadcast({"tick": torch.zeros(1)})
         leaked = _held(harness)
     assert not leaked, f"{len(leaked)} slot(s) leaked by failed enqueues: {leaked}"
+
+
+def test_many_frees_between_two_reads_release_every_slot(harness_for, arena_mode) -> None:
+    """Readers keep a tensor in every slot, then free them all at once: their next read must hand
+    every slot back (a scheduler drops a whole batch's inputs between two steps)."""
+    _lifecycle(arena_mode)
+    with harness_for(keep=True) as harness:
+        written = _count_arena_writes(harness)
+        for index in range(SLOTS):
+            harness.broadcast({"x": _tensor(8 * MiB, seed=index)})
+        _assert_through_arena(written, SLOTS)
+        harness.control("drop-all", 0)
+        harness.broadcast({"tick": torch.zeros(1)})
+        assert _held(harness) == [], f"slots still taken after every tensor was freed: {harness.arena_slots()}"
+        for index in range(SLOTS):
+            harness.broadcast({"x": _tensor(8 * MiB, seed=100 + index)})
+        _assert_through_arena(written, 2 * SLOTS)
+
+
+def test_slots_freed_out_of_order_around_other_frees_all_come_back(harness_for, arena_mode) -> None:
+    """A reader holds an early tensor while later ones are freed and retired, then frees it: that
+    slot must come back too (its release was queued before the others were retired)."""
+    _lifecycle(arena_mode)
+    with harness_for(keep=True) as harness:
+        for index in range(4):
+            harness.broadcast({"x": _tensor(8 * MiB, seed=index)})
+        for index in (2, 3, 0):  # each drop is retired at the reader's next read (the next control)
+            harness.control("drop", index)
+        harness.control("drop-all", 0)
+        harness.broadcast({"tick": torch.zeros(1)})
+        assert _held(harness) == [], f"a slot freed out of order never came back: {harness.arena_slots()}"
+
+
+def test_a_writer_ahead_of_slow_readers_through_the_arena_loses_nothing(harness_for, arena_mode) -> None:
+    """Three rounds of the slots sent back to back, one reader slow: a slot is rewritten only once
+    both readers freed it, and every tensor arrives bit-exact whichever path it took."""
+    sent = [{"x": _tensor(8 * MiB, seed=200 + index)} for index in range(3 * SLOTS)]
+    with harness_for(delays={2: 0.03}) as harness:
+        for payload in sent:
+            harness.send(payload)
+        for index, payload in enumerate(sent):
+            for rank, report in harness.collect().items():
+                assert report == describe(payload), f"reader {rank} read message {index} wrong"
+
+
+def test_a_tensor_as_large_as_a_slot_takes_one_and_a_byte_more_does_not(harness_for, arena_mode) -> None:
+    """The arena's upper limit from both sides: 256 MiB fills a slot, 256 MiB + 1 byte takes the
+    pickle path (and still arrives)."""
+    _lifecycle(arena_mode)
+    slot = 256 * MiB
+    with harness_for(QueueTopology(local_readers=1, arena=True)) as harness:
+        written = _count_arena_writes(harness)
+        for size in (slot, slot + 1):
+            payload = {"x": _tensor(size, torch.uint8, seed=size % 7)}
+            assert harness.broadcast(payload)[1] == describe(payload), f"a {size}-byte tensor arrived different"
+            del payload
+    _assert_through_arena(written, 1)

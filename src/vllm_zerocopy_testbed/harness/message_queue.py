@@ -139,6 +139,10 @@ def _write_every_other_page(kept: list[dict[str, Any]], index: int) -> None:
             value.reshape(-1).view(torch.uint8)[::2 * 4096].fill_(1)  # one byte in every other page
 
 
+def _drop_all(kept: list[dict[str, Any]], index: int) -> None:
+    kept[:] = [{} for _ in kept]  # many frees at once, before the reader's next dequeue
+
+
 def _keep_view_of_view(kept: list[dict[str, Any]], index: int) -> None:
     kept[index] = {name: view_of_view(value) for name, value in kept[index].items()}
 
@@ -149,8 +153,9 @@ def view_of_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # What a ``keep`` reader can be told to do with one kept message (``MessageQueueHarness.control``).
-READER_ACTIONS = {"drop": _drop, "write": _write, "write-every-other-page": _write_every_other_page,
-                  "view-of-view": _keep_view_of_view}
+# ``drop-all`` ignores the index: it frees every kept message at once.
+READER_ACTIONS = {"drop": _drop, "drop-all": _drop_all, "write": _write,
+                  "write-every-other-page": _write_every_other_page, "view-of-view": _keep_view_of_view}
 
 
 def _receive(mq: Any, timeout: float, wire_report: bool) -> tuple[Any, list[int] | None]:
@@ -179,10 +184,10 @@ def touch_pages(payload: dict[str, Any]) -> int:
 
 
 # Reader processes are forked from a server that imported these once (``multiprocessing``'s
-# forkserver): a spawned reader imported vLLM and torch again, 7-10 s each (measured beside an
-# image build; 0.04-0.07 s forked), and every MessageQueue component test starts its own. The
-# server is a fresh interpreter (it never sees the modes this process applies), so, as spawned
-# readers did, readers run vLLM as installed; each takes the writer's environment at its start.
+# forkserver): a spawned reader imports vLLM and torch again, seconds each, where a forked one starts
+# in milliseconds, and every MessageQueue component test starts its own. The server is a fresh
+# interpreter (it never sees the modes this process applies), so readers run vLLM as installed;
+# each takes the writer's environment at its start.
 READER_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast", __name__]
 
 
@@ -195,7 +200,7 @@ def reader_context() -> Any:
 
 def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
                  ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False,
-                 touch: bool = False, environ: dict[str, str] | None = None) -> None:
+                 touch: bool = False, environ: dict[str, str] | None = None, delay: float = 0.0) -> None:
     if environ is not None:  # the writer's, now (the fork server kept the one it started with)
         os.environ.clear()
         os.environ.update(environ)
@@ -207,6 +212,8 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
     mq.wait_until_ready()
     kept: list[dict[str, Any]] = []  # as a scheduler keeps what it received
     while True:
+        if delay:  # a slow worker: busy elsewhere before each read, while the writer goes on
+            time.sleep(delay)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -260,7 +267,10 @@ class MessageQueueHarness:
         remote_reader_cpus: frozenset[int] | None = None,
         keep: bool = False,
         touch: bool = False,
+        delays: dict[int, float] | None = None,
     ) -> None:
+        """``delays``: seconds reader ``rank`` spends before each read (a slow worker; the
+        writer does not wait for reports between ``send`` calls, so it runs ahead of it)."""
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
@@ -268,6 +278,7 @@ class MessageQueueHarness:
         self.remote_reader_cpus = remote_reader_cpus
         self.keep = keep
         self.touch = touch
+        self.delays = dict(delays or {})
         self.topology = topology
         self.mode = mode
         self.arena_mode = arena_mode
@@ -301,7 +312,7 @@ class MessageQueueHarness:
                 proc = self._ctx.Process(
                     target=_reader_main,
                     args=(handle, rank, self._results[rank], self.timeout, self.wire_report, self.ack_only, cpus,
-                          self.keep, self.touch, dict(os.environ)),
+                          self.keep, self.touch, dict(os.environ), self.delays.get(rank, 0.0)),
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )

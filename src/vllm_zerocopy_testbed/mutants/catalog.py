@@ -21,6 +21,7 @@ BROADCAST = "vllm_zerocopy_testbed.patches.broadcast"
 DETACH = "vllm_zerocopy_testbed.patches.detach"
 INFLIGHT = "vllm_zerocopy_testbed.patches.inflight"
 ARENA = "vllm_zerocopy_testbed.patches.arena"
+SHM_ARENA = "vllm.distributed.device_communicators.shm_tensor_arena"
 
 MQ = "tests/component/test_message_queue.py"
 MQ_RING = "tests/component/test_message_queue_ring.py"
@@ -30,6 +31,7 @@ DETACH_UNIT = "tests/unit/test_detach.py"
 RAY_DETACH = "tests/component/test_ray_detach.py"
 DEADLOCK = "tests/component/test_cgraph_deadlock.py"
 TENSOR_ARENA = "tests/component/test_tensor_arena.py"
+TIMING = "tests/component/test_message_queue_timing.py"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,54 @@ MUTANTS: tuple[Mutant, ...] = (
            "            self.remote_socket.send_multipart(all_buffers, copy=True)",
            "upstream fixes PR 53217 by copying (a silent behaviour change the known-failure table must notice)",
            (MQ + "::test_mutating_after_enqueue_never_reaches_readers",), "upstream and remote"),
+    # --- regressions that need a writer ahead of its readers, an idle reader, many frees
+    # between two reads, or a threshold probed from both sides to show -------------------
+    Mutant("writer-waits-for-one-reader", SHM,
+           "                    return not (written_flag and read_count != self.buffer.n_reader)",
+           "                    return not (written_flag and read_count == 0)",
+           "the writer reuses a ring slot once any reader read it, not every reader: a slow reader loses messages",
+           (TIMING + "::test_a_writer_ahead_of_readers_at_different_speeds_loses_nothing",), "upstream"),
+    Mutant("writer-overruns-the-ring", SHM,
+           "                    return not (written_flag and read_count != self.buffer.n_reader)",
+           "                    return True",
+           "the writer never waits for its readers: with all of them busy it overwrites unread slots",
+           (TIMING + "::test_a_writer_ahead_of_every_reader_stops_at_a_full_ring",), "upstream"),
+    Mutant("writer-forgets-to-notify", SHM,
+           "            self._spin_condition.notify()",
+           "            pass  # readers find the message when they next look",
+           "the writer does not wake idle readers: a reader idle past its busy loop waits for its 5 s recheck",
+           (TIMING + "::test_a_reader_idle_past_its_busy_loop_wakes_at_the_next_message",), "upstream"),
+    Mutant("oob-limit-inclusive", SHM,
+           "            if len(raw_buf) < 1024 * 1024:",
+           "            if len(raw_buf) <= 1024 * 1024:",
+           "a buffer of exactly 1 MiB stays in the pickle stream (copied) instead of going out of band",
+           (TIMING + "::test_a_tensor_leaves_the_stream_at_exactly_one_mib",), "upstream"),
+    Mutant("overflow-too-early", SHM,
+           "            if total_bytes + len(all_buffers[0]) >= self.buffer.max_chunk_bytes:",
+           "            if total_bytes + len(all_buffers[0]) + 4 >= self.buffer.max_chunk_bytes:",
+           "the overflow rule counts the length prefix twice: messages that fit the chunk go through the socket",
+           (TIMING + "::test_the_ring_holds_a_message_up_to_its_chunk_and_overflows_one_byte_past_it",), "upstream"),
+    # --- vLLM's shm_tensor_arena.py, run under `upstream` ----------------------------------
+    Mutant("arena-flush-retires-one", SHM_ARENA,
+           "        while self._pending_release:",
+           "        if self._pending_release:",
+           "a reader's flush retires one freed slot per dequeue: slots freed together come back one step at a time",
+           (TENSOR_ARENA + "::test_many_frees_between_two_reads_release_every_slot",), "upstream"),
+    Mutant("arena-flush-rebinds-the-list", SHM_ARENA,
+           "        idxs = []\n        while self._pending_release:\n            idxs.append(self._pending_release.pop())",
+           "        idxs, self._pending_release = self._pending_release, []",
+           "the flush swaps in a new pending list: tensors received before it queue their release on the old one",
+           (TENSOR_ARENA + "::test_slots_freed_out_of_order_around_other_frees_all_come_back",), "upstream"),
+    Mutant("arena-slot-limit-exclusive", SHM_ARENA,
+           "        if nbytes > self.slot_bytes:",
+           "        if nbytes >= self.slot_bytes:",
+           "a tensor exactly as large as a slot no longer takes one",
+           (TENSOR_ARENA + "::test_a_tensor_as_large_as_a_slot_takes_one_and_a_byte_more_does_not",), "upstream"),
+    Mutant("arena-slot-free-once-one-reader-done", SHM_ARENA,
+           "                free = meta[0] == 0 or sum(meta[1:]) == self.n_reader",
+           "                free = meta[0] == 0 or sum(meta[1:]) >= 1",
+           "a slot is rewritten once one reader freed it: a slower reader reads the next tensor's bytes",
+           (TENSOR_ARENA + "::test_a_writer_ahead_of_slow_readers_through_the_arena_loses_nothing",), "upstream"),
     # --- vLLM's ray_utils.py: the detach and its call site, run under `upstream` -----------
     Mutant("detach-forgets-an-array", RAY_UTILS,
            "        logprobs_c = _copy_if_readonly(logprobs)",
@@ -157,7 +207,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "        frames = serialize(obj, policy.zero_copy_tensors, getattr(self, \"tensor_arena\", None))\n",
            "        if getattr(self, \"tensor_arena\", None) is not None:\n            return _installed_enqueue(self, obj, timeout)\n"
            "        frames = serialize(obj, policy.zero_copy_tensors, getattr(self, \"tensor_arena\", None))\n",
-           "arena queues handed back to vLLM's enqueue (as before 2026-12-03): their overflow races again (53217)",
+           "arena queues handed back to vLLM's enqueue: their overflow races again (upstream PR 53217)",
            (MQ + "::test_mutating_after_enqueue_never_reaches_readers",), "testbed and arena"),
     Mutant("testbed-returns-before-release", BROADCAST,
            "TESTBED_POLICY = EnqueuePolicy(PatchMode.TESTBED, zero_copy_tensors=True, hold_until_sent=True)",
@@ -228,7 +278,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("testbed-inflight-cap-lost", INFLIGHT,
            "            return 1\n",
            "            return value\n",
-           "the inflight patch logs the cap but keeps vLLM's value: issue 5's deadlock is back",
+           "the inflight patch logs the cap but keeps vLLM's value: the compiled-graph deadlock is back",
            (DEADLOCK + "::test_the_compiled_graph_never_deadlocks_the_driver_node",), "testbed"),
     Mutant("testbed-inflight-ignores-tp", INFLIGHT,
            "parallel.pipeline_parallel_size >= 2 and parallel.tensor_parallel_size >= 2\n",
