@@ -127,7 +127,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The heap probe files of vLLM processes this run started and killed (a normal exit removes
     its own): only files whose process is gone are removed. Then the run's IPC socket directory."""
-    from vllm_zerocopy_testbed.node import heap
+    from vllm_zerocopy_testbed.observe import heap
 
     heap.prune()
     if _rpc_dir is not None:

@@ -14,7 +14,6 @@ import pytest
 
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, cluster_backend, e2e_profiles
 from vllm_zerocopy_testbed.known import death_evidence
 from vllm_zerocopy_testbed.model import spec_for
@@ -22,6 +21,7 @@ from vllm_zerocopy_testbed.report import RunReport
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, structured_unmet
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, History, Record
 from vllm_zerocopy_testbed.workload.runner import Runner
+from vllm_zerocopy_testbed.workload.warmup import is_healthy
 
 PROFILES, MODES_CHOSEN = e2e_profiles()
 SETTINGS = ClusterSettings.from_env()

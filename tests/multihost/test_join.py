@@ -18,9 +18,9 @@ from openai import OpenAI
 
 from vllm_zerocopy_testbed.cluster.placement import parse_placement
 from vllm_zerocopy_testbed.config import REPO_ROOT
-from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import wait_until
 from vllm_zerocopy_testbed.workload.embeds import encode, rows_for, token_ids
+from vllm_zerocopy_testbed.workload.warmup import is_healthy
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900)]
 

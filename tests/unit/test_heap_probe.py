@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from vllm_zerocopy_testbed.node import heap, usage
+from vllm_zerocopy_testbed.node import usage
+from vllm_zerocopy_testbed.observe import heap
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +47,7 @@ def test_a_probe_file_counts_only_for_the_process_that_wrote_it(tmp_path) -> Non
 
 
 def test_a_node_sums_its_probed_processes_and_names_the_largest(tmp_path) -> None:
-    code = ("import sys, time; from pathlib import Path; from vllm_zerocopy_testbed.node import heap; "
+    code = ("import sys, time; from pathlib import Path; from vllm_zerocopy_testbed.observe import heap; "
             "b = bytearray(80 << 20); heap.install('ray-worker', 0.2, Path(sys.argv[1])); "
             "sys.stdout.write('x'); sys.stdout.flush(); time.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE)

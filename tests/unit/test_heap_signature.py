@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from vllm_zerocopy_testbed.config import ConfigError, TestbedConfig
-from vllm_zerocopy_testbed.node import heap
+from vllm_zerocopy_testbed.observe import heap
 
 pytestmark = pytest.mark.unit
 

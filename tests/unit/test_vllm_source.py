@@ -157,7 +157,7 @@ def test_bisect_finds_the_first_change_and_skips_what_cannot_run(tmp_path, monke
 
 
 def test_old_overlays_are_pruned_and_one_in_use_is_kept(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_source, "KEEP_OVERLAYS", 2)
+    monkeypatch.setattr(vllm_source.overlay, "KEEP_OVERLAYS", 2)
     cache = tmp_path / "cache"
     root = _checkout(tmp_path / "co")
     paths = []

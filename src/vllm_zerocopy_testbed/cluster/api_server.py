@@ -20,8 +20,8 @@ from typing import Iterator, Mapping, Sequence
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError
 from vllm_zerocopy_testbed.cluster.process import pause_group, resume_group, stop_group
 from vllm_zerocopy_testbed.cluster.shm import ShmClaim
-from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
+from vllm_zerocopy_testbed.workload.warmup import is_healthy
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any
 from vllm_zerocopy_testbed.cluster.interface import NEMESIS_OPERATIONS, Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement
 from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, ExternalTarget
-from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
+from vllm_zerocopy_testbed.workload.warmup import is_healthy
 
 HTTP_TIMEOUT_S = 10.0
 # up(): an external cluster is either answering or not ours to wait long for.

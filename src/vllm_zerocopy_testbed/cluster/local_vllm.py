@@ -27,7 +27,8 @@ from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 from vllm_zerocopy_testbed.model import build, model_dir, spec_for
 from vllm_zerocopy_testbed.node import usage as node_usage
 from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env
-from vllm_zerocopy_testbed.node.warmup import warm_up, warms_logprobs
+from vllm_zerocopy_testbed.node.warmup import warms_logprobs
+from vllm_zerocopy_testbed.workload.warmup import warm_up
 
 HEAD_IP = "127.0.0.3"
 WORKER_IPS = ("127.0.0.2", "127.0.0.4", "127.0.0.5")

@@ -7,8 +7,8 @@ import urllib.error
 from dataclasses import dataclass
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
-from vllm_zerocopy_testbed.node.warmup import complete
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
+from vllm_zerocopy_testbed.workload.warmup import complete
 
 # A node left stopped this long is not coming back by itself (Docker never restarts a container
 # stopped by hand; the local backend restarts nothing).

@@ -13,9 +13,9 @@ from typing import ContextManager
 from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Service, free_port
 from vllm_zerocopy_testbed.node.serve import serve_argv
-from vllm_zerocopy_testbed.node.warmup import warm_up
 from vllm_zerocopy_testbed.config import ClusterSettings, process_env
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir, spec_for
+from vllm_zerocopy_testbed.workload.warmup import warm_up
 
 HOST = "127.0.0.1"
 
@@ -29,7 +29,7 @@ class ReferenceServer(Service):
                  env: dict[str, str] | None = None, name: str = "reference server") -> None:
         """``spec``: the model variant the cluster serves (the node image builds the same ones; by
         default the one ``TESTBED_MODEL`` names there);
-        ``port``: a free one unless named: two runs on one machine each have their own (issue 46);
+        ``port``: a free one unless named: two runs on one machine each have their own;
         ``env``: more environment for the server's processes (``TESTBED_ARENA=upstream``)."""
         self.settings = settings or ClusterSettings.from_env()
         self.port = port or free_port(HOST)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from vllm_zerocopy_testbed.node import heap as heap_probe
+from vllm_zerocopy_testbed.observe import heap as heap_probe
 
 MiB = 1024 * 1024
 
@@ -74,7 +74,7 @@ HEAP_FIGURES = ("heap_in_use_mb", "heap_free_mb")
 
 
 def heap(pids: Iterable[int], named: Iterable[int] = (), directory: Path = heap_probe.HEAP_DIR) -> dict[str, float]:
-    """The C heap of the processes among ``pids`` that run the heap probe (vLLM's, ``node/heap.py``):
+    """The C heap of the processes among ``pids`` that run the heap probe (vLLM's, ``observe/heap.py``):
     node sums of bytes in use, of bytes freed but kept, of Python blocks and of context variables
     (the known leak's signature, ``heap.ContextVarCount``), and per process of ``named`` (the
     largest, from ``by_process``) as ``heap_in_use_mb/<name>[<pid>]``. Empty without probes.

@@ -9,57 +9,12 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import re
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from vllm_zerocopy_testbed.waits import wait_until
-
-
-def is_healthy(url: str) -> bool:
-    """Return whether the server at ``url`` (no ``/v1``) answers ``/health`` with 200 within 3 s."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def complete(url: str, body: dict, deadline: float) -> None:
-    """POST ``body`` to ``url``/v1/completions by ``deadline``; raise unless it answers 200 with JSON."""
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())) as response:
-        json.load(response)
-
-
-def warm_up(url: str, model: str, timeout: float, *, logprobs: bool = False, model_dir: Path | None = None) -> float:
-    """Wait for ``/health``, then compile what the suites use; return the seconds the requests took.
-
-    A plain completion, a prompt_embeds one (its own compiled shapes; rows of the
-    model in ``model_dir``, default the testbed's own build), and with
-    ``logprobs`` one asking for logprobs (the sampler's rank op compiles on first
-    use). Not on the compiled-graph executor without the testbed's fix: there the
-    first logprobs request deadlocks (issue 5), and the suites, not the start-up,
-    must be the ones to show that.
-    """
-    deadline = time.monotonic() + timeout
-    wait_until(f"{url}/health", lambda: is_healthy(url), timeout=timeout, poll_s=0.5)
-    start = time.monotonic()
-    plain = {"model": model, "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
-    complete(url, plain, deadline)
-    from vllm_zerocopy_testbed.workload.embeds import encode, rows_for, token_ids
-
-    rows = encode(rows_for(token_ids(8), directory=model_dir))
-    complete(url, {**plain, "prompt": None, "prompt_embeds": rows}, deadline)
-    if logprobs:
-        complete(url, {**plain, "logprobs": 1}, deadline)
-    return time.monotonic() - start
+from vllm_zerocopy_testbed.workload.warmup import warm_up
 
 
 # torch inductor builds a precompiled header (~150 MB, g++ on one core: most of a cold warm-up)
@@ -99,10 +54,11 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
 
 
+def warms_logprobs(executor: str, inflight: str) -> bool:
+    """Whether start-up may warm the logprobs path: V2, or the compiled graph with the in-flight cap
+    (patches/inflight.py, findings/cgraph-raylet-writeacquire)."""
+    return executor == "v2" or inflight == "testbed"
+
+
 if __name__ == "__main__":
     main()
-
-
-def warms_logprobs(executor: str, inflight: str) -> bool:
-    """Whether start-up may warm the logprobs path: V2, or the compiled graph with the issue-5 fix."""
-    return executor == "v2" or inflight == "testbed"

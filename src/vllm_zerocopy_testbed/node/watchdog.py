@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from vllm_zerocopy_testbed.plugins.log import testbed_logger
+from vllm_zerocopy_testbed.observe.log import testbed_logger
 from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 
 EXIT_NODE_LOST = 3

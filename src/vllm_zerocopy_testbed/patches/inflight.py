@@ -1,4 +1,5 @@
-"""One compiled-graph execution in flight on PP x TP clusters: the testbed's fix for issue 5.
+"""One compiled-graph execution in flight on PP x TP clusters: the testbed's fix for the raylet deadlock
+(findings/cgraph-raylet-writeacquire).
 
 The cause (docs/cgraph-logprobs-hang.md): with PP >= 2 vLLM's engine keeps PP
 executions in flight (its batch queue), and with TP >= 2 the driver reads one
@@ -30,7 +31,7 @@ import functools
 from typing import Any
 
 from vllm_zerocopy_testbed.config import PatchMode, vllm_uses_compiled_graph
-from vllm_zerocopy_testbed.plugins.log import testbed_logger
+from vllm_zerocopy_testbed.observe.log import testbed_logger
 
 _mode = PatchMode.UPSTREAM  # vLLM's own value until ``apply``
 
@@ -89,7 +90,7 @@ def install() -> bool:
         if value > 1 and _mode is PatchMode.TESTBED and needed(self):
             if not logged:
                 logged.append(True)
-                testbed_logger().info("testbed cgraph: 1 execution in flight instead of %d (issue 5: PP x TP "
+                testbed_logger().info("testbed cgraph: 1 execution in flight instead of %d (PP x TP "
                                       "compiled graphs deadlock the driver node's raylet)", value)
             return 1
         return value

@@ -7,9 +7,9 @@ import os
 import sys
 
 from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
-from vllm_zerocopy_testbed.node import heap
+from vllm_zerocopy_testbed.observe import heap
+from vllm_zerocopy_testbed.observe.log import testbed_logger
 from vllm_zerocopy_testbed.patches import apply_modes, plant, slowdown, timeline, wiretap
-from vllm_zerocopy_testbed.plugins.log import testbed_logger
 from vllm_zerocopy_testbed.vllm_source import running_line
 
 

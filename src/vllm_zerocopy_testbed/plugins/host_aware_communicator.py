@@ -17,7 +17,7 @@ import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 from vllm.logger import init_logger
 
-from vllm_zerocopy_testbed.plugins.log import testbed_logger
+from vllm_zerocopy_testbed.observe.log import testbed_logger
 
 logger = init_logger(__name__)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
-from vllm_zerocopy_testbed.node.warmup import is_healthy
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Record
 from vllm_zerocopy_testbed.workload.runner import Runner
+from vllm_zerocopy_testbed.workload.warmup import is_healthy
 
 
 class Stream:

@@ -1,7 +1,7 @@
 """Each vLLM process's C heap as glibc sees it, written every ``TESTBED_HEAP_PROBE_S`` seconds.
 
-Issue 19: a 30 min soak saw vLLM's Ray worker processes' resident memory grow 54..175 MB/hour
-each. Resident memory alone cannot tell a leak (memory still in use, growing) from an
+A soak saw the resident memory of vLLM's Ray worker processes grow for as long as it ran
+(docs/soak.md). Resident memory alone cannot tell a leak (memory still in use, growing) from an
 allocator that keeps what was freed (glibc's heap: freed chunks stay mapped until the top of
 an arena is free, and its mmap threshold rises after each large free, so later large buffers
 come from the arenas). ``mallinfo2()`` tells the two apart from inside the process: bytes in
@@ -9,8 +9,8 @@ use (``uordblks`` + mmapped chunks) against bytes free but kept (``fordblks``).
 
 A process's probe thread writes ``<dir>/<pid>.json`` (atomically: a rename) with those figures
 and Python's own count of allocated blocks; ``node/usage.py`` reads the files of the live
-processes of its node. What is sent does not change; the cost is one ``mallinfo2`` call per period and process (it
-walks the arenas' free chunks under their locks: 40 ms with 100,000 free chunks, measured here).
+processes of its node. What is sent does not change; the cost is one ``mallinfo2`` call per period
+and process (it walks the arenas' free chunks under their locks).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ContextVarCount:
 
     Another thread's context cannot be read from this one, but each is an object the garbage
     collector tracks: every ``rescan`` calls (and while none is found) ``gc.get_objects()`` is
-    searched for them (0.1 s for 640,000 objects, measured here) and the ``keep`` fullest are
+    searched for them (a walk over every object the collector tracks) and the ``keep`` fullest are
     held; in between only their lengths are read. The maximum, not the sum: an asyncio task runs
     in a copy of its thread's context, and copies share their variables."""
 
