@@ -66,7 +66,8 @@ class Executor(str, enum.Enum):
 EXECUTOR_ENV = "TESTBED_EXECUTOR"
 BROADCAST_ENV = "TESTBED_BROADCAST"
 DETACH_ENV = "TESTBED_DETACH"
-# The compiled-graph in-flight cap (issue 5, patches/inflight.py); e2e profiles set it to the detach mode.
+# The compiled-graph in-flight cap (patches/inflight.py, findings/cgraph-raylet-writeacquire); e2e profiles set
+# it to the detach mode.
 INFLIGHT_ENV = "TESTBED_INFLIGHT"
 # vLLM 0.32's opt-in shared-memory tensor arena (patches/arena.py); used only where vLLM enables it.
 ARENA_ENV = "TESTBED_ARENA"
@@ -85,10 +86,10 @@ MQ_TIMELINE_ENV = "TESTBED_MQ_TIMELINE"
 FAULT_BROADCAST_ENV = "TESTBED_FAULT_BROADCAST"
 # A leak planted on purpose, to show make soak red (patches/plant.py): empty (none) | outputs.
 PLANT_LEAK_ENV = "TESTBED_PLANT_LEAK"
-# Seconds between each vLLM process's heap figures (node/heap.py, read by node/usage.py); 0: none.
+# Seconds between each vLLM process's heap figures (observe/heap.py, read by node/usage.py); 0: none.
 HEAP_PROBE_ENV = "TESTBED_HEAP_PROBE_S"
 # A diagnosis: N > 0 traces Python allocations (N frames each) in every vLLM process and writes
-# where memory grew (node/heap.py: _trace_loop); it slows every allocation. 0 (default): off.
+# where memory grew (observe/heap.py: _trace_loop); it slows every allocation. 0 (default): off.
 HEAP_TRACE_ENV = "TESTBED_HEAP_TRACE"
 # More environment for every process of a node (compose backend): NAME=VALUE words, e.g.
 # MALLOC_ARENA_MAX=2 (node scripts export them before Ray starts; see node_env()).
@@ -210,7 +211,7 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 DEVICE_PROFILE_ENV = "TESTBED_PROFILE"
 DEVICE_PROFILES = ("cpu", "gpu")
-# Compose instance n (issue 46: runs side by side): a project, published ports and a network of its
+# Compose instance n (so that runs go side by side): a project, published ports and a network of its
 # own, derived from compose/.env's (instance 0 is .env as it is). A run whose project another live run
 # holds takes the next free instance by itself (cluster/compose.py: claim) unless TESTBED_INSTANCE names one.
 INSTANCE_ENV = "TESTBED_INSTANCE"
@@ -457,7 +458,7 @@ def warm_channel_timeout(profile: Profile, settings: Mapping[str, str], cache_wa
     Once a cluster of the run has warmed the compile cache (its warm-up answered), a compiled-graph
     cluster gets 30 s instead of the default 60: its slowest request after warm-up took 2 s, and
     e2e waits the bound out twice per run (cgraph/upstream's known death, cgraph/testbed's sequence
-    that outlasts it; issue 21). A bound set by the user (anything but the default) stays."""
+    that outlasts it). A bound set by the user (anything but the default) stays."""
     if (profile.executor is Executor.CGRAPH and cache_warm
             and settings.get(CHANNEL_TIMEOUT_ENV, DEFAULT_CHANNEL_TIMEOUT_S) == DEFAULT_CHANNEL_TIMEOUT_S):
         return {CHANNEL_TIMEOUT_ENV: WARM_CHANNEL_TIMEOUT_S}

@@ -1,11 +1,16 @@
 """Known failures as data: where a property fails, why, and what that failure looks like.
 
-A known failure is expected only as itself (issue 17): each names the exception it
-raises and a pattern its text must contain (an assertion's words, a checker's problem
-line, a server-log line quoted in the failure). A failure of a known-failing test
-that does not match is a new failure, and red. The test layers read the table
+A known failure is expected only as itself, so that a new failure cannot hide behind it: each
+names the exception it raises and a pattern its text must contain (an assertion's words, a
+checker's problem line, a server-log line quoted in the failure). A failure of a known-failing
+test that does not match is a new failure, and red. The test layers read the table
 (``tests/conftest.py``: unit and component tests, by mode; ``tests/e2e``: by profile)
 and enforce the match after pytest's own xfail handling; nothing here imports pytest.
+
+Each reason says what fails, then the folder under ``findings/`` that documents it (its
+``REPORT.md``, with a standalone repro and the fix) and the upstream thread; a failure no
+finding documents says in words what fails and where upstream fixed it. Reports group the
+known failures of a run by that folder (``finding_of``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_zerocopy_testbed.config import ARENA_ENV, BROADCAST_ENV, DETACH_ENV, INFLIGHT_ENV
+
+# The findings' folders the reasons name (``findings/<name>/REPORT.md``).
+SEND_RACE = "findings/53217-oob-send-race"
+RAYLET_DEADLOCK = "findings/cgraph-raylet-writeacquire"
+ARENA_SHARED_SLOT = "findings/arena-shared-slot"
+ARENA_LEAKED_SLOTS = "findings/arena-leaked-slots"
+SAMPLING_MASKS = "findings/detach-sampling-masks"
+_FINDING = re.compile(r"\bfindings/([\w.-]+)")
+
+
+def finding_of(text: str) -> str | None:
+    """Return the folder (``findings/<name>``) a known failure's text names first, or None."""
+    match = _FINDING.search(text)
+    return f"findings/{match.group(1)}" if match else None
+
 
 # pytest.fail() raises _pytest.outcomes.Failed; matched by name, so this module needs no pytest.
 ASSERTION = ("AssertionError", "Failed")
@@ -67,46 +87,52 @@ _HELD = (r"still backed by the channel|ended with RayChannelTimeoutError after [
 # Unit and component tests: property -> its known failures (``expect(prop, mode)`` in a test).
 COMPONENT: dict[str, Known] = {
     "zero_copy": _known(
-        BROADCAST_ENV, {"off": "before PR 48442 torch's reducer copies tensors into the pickle stream"},
+        BROADCAST_ENV, {"off": "zero copy: torch's reducer copies tensors into the pickle stream (fixed upstream "
+                               "by PR 48442)"},
         r"no frame carries the tensor's bytes|the pickle stream still holds the tensor"),
     "fp8_transport": _known(
-        BROADCAST_ENV, {"off": "torch's reducer cannot load back the fp8 tensors it pickles"},
+        BROADCAST_ENV, {"off": "fp8 transport: torch's reducer cannot load back the fp8 tensors it pickles"},
         r"read_error.*UntypedStorage' has no attribute 'dtype'"),
     "race_free_tensor": _known(
-        BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live tensor"},
+        BROADCAST_ENV, {"upstream": f"send race: ZMQ frames alias the live tensor ({SEND_RACE}, upstream PR 53217)"},
         r"saw bytes written after enqueue",
         # before PR 48442 (0.26.0) torch's reducer copies tensors into the pickle stream: no alias
         upstream_needs="tensors out of band"),
     "race_free_ndarray": _known(
-        BROADCAST_ENV, {"upstream": "upstream PR 53217 is open: ZMQ frames alias the live array",
-                        "off": "numpy buffers >= 1 MiB have always gone to ZMQ with copy=False"},
+        BROADCAST_ENV, {"upstream": f"send race: ZMQ frames alias the live array ({SEND_RACE}, upstream PR 53217)",
+                        "off": f"send race: numpy buffers >= 1 MiB go to ZMQ with copy=False in every release "
+                               f"({SEND_RACE}, upstream PR 53217)"},
         r"saw bytes written after enqueue|got batch B's masks in batch A's sample_tokens"),
     "detach_logprobs": _known(
-        DETACH_ENV, {"off": "before PR 35736 channel-backed logprobs arrays are kept"}, _HELD),
+        DETACH_ENV, {"off": "held outputs: channel-backed logprobs arrays are kept and stall the next read "
+                            "(vLLM#35319, fixed upstream by PR 35736)"}, _HELD),
     "cgraph_no_deadlock": _known(
-        INFLIGHT_ENV, {"off": "issue 5: two executions in flight (PP=2) and two output channels (TP=2) deadlock "
-                            "the raylet",
-                     "upstream": "issue 5: vLLM keeps PP executions in flight; the driver node's raylet deadlocks"},
+        INFLIGHT_ENV, {"off": f"compiled-graph deadlock: two executions in flight (PP=2) and two output channels "
+                            f"(TP=2) deadlock the driver node's raylet ({RAYLET_DEADLOCK})",
+                     "upstream": f"compiled-graph deadlock: vLLM keeps PP executions in flight and the driver node's "
+                                 f"raylet deadlocks ({RAYLET_DEADLOCK})"},
         r"DEADLOCK: .*RayChannelTimeoutError"),
     "ring_reserved": _known(
-        BROADCAST_ENV, {"upstream": "vLLM creates its MessageQueue ring sparse (tmpfs places a page at its first "
-                                    "write: SIGBUS once /dev/shm is full)",
-                        "off": "vLLM creates its MessageQueue ring sparse"},
+        BROADCAST_ENV, {"upstream": "sparse ring: vLLM creates its MessageQueue ring sparse (tmpfs places a page at "
+                                    "its first write: SIGBUS once /dev/shm is full)",
+                        "off": "sparse ring: vLLM creates its MessageQueue ring sparse"},
         r"the ring is sparse"),
     "arena_used": _known(
-        ARENA_ENV, {"off": "before vLLM 0.32 there was no arena: tensors >= 8 MiB take the pickle path"},
+        ARENA_ENV, {"off": "no arena: before vLLM 0.32 tensors >= 8 MiB take the pickle path"},
         r"went through the arena"),
     "arena_reader_isolation": _known(
-        ARENA_ENV, {"upstream": "vLLM 0.32's readers all view the same shared slot: one reader's write is every "
-                                "reader's"},
+        ARENA_ENV, {"upstream": f"shared arena slot: vLLM 0.32's readers all view the same slot, one reader's write "
+                                f"is every reader's ({ARENA_SHARED_SLOT})"},
         r"saw another reader's write"),
     "arena_failed_enqueue": _known(
-        ARENA_ENV, {"upstream": "vLLM 0.32 claims a slot while pickling; an enqueue that then fails publishes "
-                                "nothing and never frees it"},
+        ARENA_ENV, {"upstream": f"leaked arena slots: vLLM 0.32 claims a slot while pickling, and an enqueue that "
+                                f"then fails publishes nothing and never frees it ({ARENA_LEAKED_SLOTS})"},
         r"slot\(s\) leaked by failed enqueues"),
     "detach_sampling_mask": _known(
-        DETACH_ENV, {"off": "before PR 35736 channel-backed arrays are kept",
-                     "upstream": "upstream's detach copies logprobs and aux rows only, not sampling_masks"},
+        DETACH_ENV, {"off": "held outputs: channel-backed arrays are kept and stall the next read (vLLM#35319, "
+                            "fixed upstream by PR 35736)",
+                     "upstream": f"sampling masks held: upstream's detach copies logprobs and aux rows only, not "
+                                 f"sampling_masks ({SAMPLING_MASKS})"},
         _HELD),
 }
 
@@ -134,20 +160,21 @@ class KnownOnProfiles:
 # e2e tests (``@pytest.mark.known(property)``): property -> where it fails and what that looks like.
 E2E: dict[str, KnownOnProfiles] = {
     "zero_copy": KnownOnProfiles(
-        "before PR 48442 torch's reducer copies the tensor into the pickle stream",
+        "zero copy: torch's reducer copies the tensor into the pickle stream (fixed upstream by PR 48442)",
         Signature(r"no frame carries the \d+-byte tensor out of band"), broadcast=frozenset({"off"})),
     # The engine's death is quoted with its server-log cause (``LiveCluster.dead``), so the tests
     # after the first logprobs request match only if that cause is the channel timeout too.
     "cgraph_logprobs": KnownOnProfiles(
-        "issue 5: on the compiled-graph executor the first logprobs request deadlocks the driver node's raylet "
-        "(zero-copy outputs, two executions in flight, one output channel per TP rank) until "
-        "RAY_CGRAPH_get_timeout, and the engine dies; fixed by the testbed's one execution in flight "
-        "(patches/inflight.py, inflight=testbed: e2e profiles set it to their detach mode)",
+        f"compiled-graph deadlock: the first logprobs request deadlocks the driver node's raylet (zero-copy "
+        f"outputs, two executions in flight, one output channel per TP rank) until RAY_CGRAPH_get_timeout, and "
+        f"the engine dies ({RAYLET_DEADLOCK}; the testbed's fix: one execution in flight, patches/inflight.py, "
+        f"which e2e profiles turn on with their detach mode)",
         Signature(r"RayChannelTimeoutError|WriteAcquire"), executors=frozenset({"cgraph"}),
         detach=frozenset({"off", "upstream"})),
     "ring_reserved": KnownOnProfiles(
-        "vLLM creates its MessageQueue ring sparse and checks /dev/shm's free space only then: filled later, "
-        "the engine's next write to a new ring page is SIGBUS; the testbed reserves the pages at creation",
+        "sparse ring: vLLM creates its MessageQueue ring sparse and checks /dev/shm's free space only then: "
+        "filled later, the engine's next write to a new ring page is SIGBUS (the testbed reserves the pages at "
+        "creation)",
         Signature(r"Fatal Python error: Bus error"), broadcast=frozenset({"upstream", "off"})),
 }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SEED = 20261129
+SEED = 20_261_129
 # Where the host keeps the model (the node image builds its own copy at /model).
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".cache" / "model" / "tiny-llama"
 _MARKER = "testbed-model.json"

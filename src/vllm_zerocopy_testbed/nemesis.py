@@ -77,7 +77,7 @@ NEMESES = (
             lambda c, n: c.isolate(n), lambda c, n: c.rejoin(n), needs=("isolate", "rejoin")),
     Nemesis("restart-worker-node", "the worker node stopped and started again", "worker",
             lambda c, n: c.restart(n), needs=("restart",)),
-    # Aimed at the zero-copy paths (issue 19):
+    # Aimed at the zero-copy paths (a frozen reader must not hold the writer past the step timeout):
     Nemesis("pause-worker-node-large", f"the worker node frozen for {HOLD_S:.0f} s while >= 16 MiB scheduler steps "
             "(prompt_embeds batches) cross to it: past the socket buffers, ZMQ cannot finish a send", "worker",
             lambda c, n: c.pause(n), lambda c, n: c.resume(n), needs=("pause", "resume"), workload="large"),

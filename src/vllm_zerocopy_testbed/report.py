@@ -2,7 +2,8 @@
 
 One row per suite, one column per profile (executor/modes); a cell says the
 worst outcome of the suite's tests there, how many requests it sent, and their
-p50/p95 latency.
+p50/p95 latency. Known failures follow, one line per finding and profile with the
+tests it covers: a finding fails every test that reaches its path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Iterable
 from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.vllm_source import running, vllm_line
 from vllm_zerocopy_testbed.checker.latency import summary
+from vllm_zerocopy_testbed.known import finding_of
 from vllm_zerocopy_testbed.workload.requests import Event, Record
 
 # Worst first: a suite's cell shows the worst outcome among its tests.
@@ -63,6 +65,25 @@ class RunReport:
             cell.update(answered, answered=answered["requests"], requests=len(mine))
         return cells
 
+    def known_failures(self) -> list[dict[str, Any]]:
+        """Return one entry per known failure and profile, profiles in run order: ``profile``,
+        ``finding`` (the folder under ``findings/`` its reason names, or None), ``reason`` (the
+        first test's reason line) and ``tests`` (their names, without the profile's parameter id).
+
+        Grouped by finding where the reason names one (the reasons of one finding's tests may
+        differ in their figures), else by the reason itself."""
+        groups: dict[tuple[str, str], dict[str, Any]] = {}
+        for result in self.results:
+            if result.outcome != "xfailed":
+                continue
+            reason = result.message.splitlines()[0] if result.message else ""
+            finding = finding_of(reason)
+            entry = groups.setdefault((result.profile, finding or reason),
+                                      {"profile": result.profile, "finding": finding, "reason": reason, "tests": []})
+            entry["tests"].append(_without_profile(result.test, result.profile))
+        order = {p: i for i, p in enumerate(self.profiles)}
+        return sorted(groups.values(), key=lambda e: order.get(e["profile"], len(order)))
+
     def table(self, records: Iterable[Record]) -> str:
         """Return the suite x profile table as Markdown (also readable in a terminal)."""
         cells = self.cells(records)
@@ -97,30 +118,50 @@ class RunReport:
             "started": self.started, "profiles": self.profiles, "notes": self.notes, "vllm": self.vllm,
             "results": [asdict(r) for r in self.results],
             "cells": [{"suite": s, "profile": p, **c} for (s, p), c in self.cells(records).items()],
+            "known": self.known_failures(),
             "history": [r.to_json() for r in records],
             "events": [e.to_json() for e in events],
         }
         results_json = run_dir / "results.json"
         results_json.write_text(json.dumps(data, indent=1))
         failed = [r for r in self.results if r.outcome in ("failed", "error", "xpassed")]
-        known = [r for r in self.results if r.outcome == "xfailed"]
         skipped = [r for r in self.results if r.outcome == "skipped"]
         md = [f"# e2e run {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.started))} UTC", "",
               f"vLLM under test: {vllm_line(self.vllm)}", "",
               "Cells: worst outcome of the suite's tests, requests sent, latency p50/p95 "
               "(known-fail = a strict expected failure that did fail).", "", self.table(records), ""]
-        for title, rows in (("Failures", failed), ("Known failures (expected, strict)", known),
-                            ("Skipped, and why", skipped)):
-            if rows:
-                md += [f"## {title}", ""]
-                md += [f"- `{r.test}` ({r.profile}): {r.message.splitlines()[0] if r.message else ''}" for r in rows]
-                md.append("")
+        if failed:
+            md += ["## Failures", "", *(_test_line(r) for r in failed), ""]
+        known = data["known"]
+        if known:
+            md += ["## Known failures (expected, strict): one line per finding and profile", ""]
+            md += [_known_line(k) for k in known]
+            md.append("")
+        if skipped:
+            md += ["## Skipped, and why", "", *(_test_line(r) for r in skipped), ""]
         if self.notes:
             md += ["## Notes", "", *(f"- {n}" for n in self.notes), ""]
         md += ["Raw data: `results.json` (every request: timings, tokens, logprobs); `junit.xml`.", ""]
         report_md = run_dir / "report.md"
         report_md.write_text("\n".join(md))
         return [results_json, report_md]
+
+
+def _test_line(result: TestResult) -> str:
+    return f"- `{result.test}` ({result.profile}): {result.message.splitlines()[0] if result.message else ''}"
+
+
+def _known_line(known: dict[str, Any]) -> str:
+    tests = ", ".join(f"`{test}`" for test in known["tests"])
+    return f"- {known['profile']}: {known['reason']}; tests: {tests}"
+
+
+def _without_profile(test: str, profile: str) -> str:
+    """``test_x[v2/upstream]`` -> ``test_x``; ``test_y[v2/upstream-case]`` -> ``test_y[case]``."""
+    for old, new in ((f"[{profile}]", ""), (f"[{profile}-", "["), (f"-{profile}]", "]"), (f"-{profile}-", "-")):
+        if old in test:
+            return test.replace(old, new, 1)
+    return test
 
 
 def faults_table(rows: list[dict[str, Any]]) -> str:

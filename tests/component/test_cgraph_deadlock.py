@@ -1,4 +1,5 @@
-"""Issue 5 in pure Ray: two executions in flight, two output channels, zero-copy outputs.
+"""The compiled-graph raylet deadlock in pure Ray (findings/cgraph-raylet-writeacquire): two executions
+in flight, two output channels, zero-copy outputs.
 
 The smallest reproduction of vLLM's compiled-graph logprobs hang (PP=2 x TP=2):
 ``harness/cgraph_deadlock.py`` (standalone, for Ray maintainers) runs two actors

@@ -1,4 +1,4 @@
-"""A frozen remote reader never holds the writer past vLLM's step timeout (issue 19).
+"""A frozen remote reader never holds the writer past vLLM's step timeout.
 
 vLLM's executors call ``enqueue`` with ``timeout=None``. Upstream's racy send returns at
 once (the message waits in ZMQ's pipe) and the RPC fails after

@@ -1,4 +1,5 @@
-"""The engine's own buffer reuse through a real MessageQueue: the grammar bitmask (issue 16).
+"""The engine's own buffer reuse through a real MessageQueue: the grammar bitmask
+(findings/53217-oob-send-race).
 
 vLLM's ``StructuredOutputManager`` keeps one bitmask tensor, refills it in place for each
 batch it schedules and broadcasts ``bitmask[:n].numpy()`` (a view) inside the

@@ -1,13 +1,12 @@
-"""Upstream issue 35319 with real Ray compiled graphs on two loopback nodes.
+"""vLLM#35319 with real Ray compiled graphs on two loopback nodes.
 
 The actor runs on the second node (127.0.0.2) and returns real vLLM outputs;
 the driver (on the head, 127.0.0.3) reads them through vLLM's own
 ``FutureWrapper.result`` and keeps them all, as the scheduler keeps logprobs.
 A cluster serves tests until one stalls (or fails): after a stall, Ray's teardown
 crashes the remote raylet (``experimental_mutable_object_provider.cc ... Channel
-closed``), so the next test gets a fresh one. Reuse saves 3 of 7 starts (issue 21), and a
-driver run serves every test that asks for the same run (``off`` logprobs: the stall, and its
-bound): 6 runs and 4 starts for 7 tests.
+closed``), so the next test gets a fresh one. Reuse saves cluster starts, and a driver run
+serves every test that asks for the same run (``off`` logprobs: the stall, and its bound).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two runs on one machine, side by side (issue 46): each passes, and neither removes what it did not make.
+"""Two runs on one machine, side by side: each passes, and neither removes what it did not make.
 
 Run A is ``make test-smoke``: a compose cluster (PP=2 x TP=2), the single-process reference server
 on the host, the e2e smoke checks through the API. Run B, started at the same moment, is a component

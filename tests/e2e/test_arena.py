@@ -1,4 +1,5 @@
-"""The shm tensor arena end to end: vLLM's multiprocessing executor on this host, TP=2 (issue 23).
+"""The shm tensor arena end to end: vLLM's multiprocessing executor on this host, TP=2
+(findings/arena-shared-slot, findings/arena-leaked-slots).
 
 vLLM enables the arena (``--enable-shm-tensor-arena``) on the multiprocessing executor's
 broadcast queue only, whose readers are all local, so this suite brings up servers of its

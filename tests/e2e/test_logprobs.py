@@ -1,8 +1,8 @@
 """logprobs through the cluster: k = 1..20, prompt_logprobs, streaming, concurrency, a long sequence, a restart.
 
 On the compiled-graph executor these are the requests whose outputs carry numpy
-arrays through Ray's channels (the detach path, issue 35319) — and whose first
-one stalls past ``RAY_CGRAPH_get_timeout`` without the testbed's fix (issue 5).
+arrays through Ray's channels (the detach path, vLLM#35319) — and whose first
+one stalls past ``RAY_CGRAPH_get_timeout`` without the testbed's fix (findings/cgraph-raylet-writeacquire).
 """
 
 from __future__ import annotations
@@ -106,11 +106,11 @@ def test_concurrent_requests_all_answer_as_alone(cluster: LiveCluster, concurren
 @pytest.mark.suite("sequential")
 def test_a_sequence_longer_than_the_channel_timeout_never_stalls(cluster: LiveCluster,
                                                                  logprobs_run: list[Record]) -> None:
-    """Outputs held across steps block the next channel read until RAY_CGRAPH_get_timeout (issue 35319).
+    """Outputs held across steps block the next channel read until RAY_CGRAPH_get_timeout (vLLM#35319).
 
     Requests one after another for longer than that timeout: every one answers
     within its bound and equals the first answer of its kind. Only where there is such a
-    channel (issue 21): on V2 it passed in every mode and guarded no pair, for 65 s a profile.
+    channel: on V2 it cannot fail, and it would cost a minute a profile.
     """
     if cluster.profile.executor is not Executor.CGRAPH:
         pytest.skip("RayExecutorV2 has no compiled-graph channel to time out: the cgraph profiles run this")
@@ -134,7 +134,7 @@ def restart_shown_across(profile) -> str | None:
 @pytest.mark.suite("restart")
 def test_answers_survive_a_restart(cluster: LiveCluster, profile, request: pytest.FixtureRequest) -> None:
     """The same requests after the cluster went down and up again: bit-exact (first profile only,
-    and only where no other profile of the run shows it: issue 21, ~90 s a run)."""
+    and only where no other profile of the run shows it: a restart costs a cluster start)."""
     if profile != PROFILES[0]:
         pytest.skip("one restart per run (the first profile's)")
     shown_by = restart_shown_across(profile)

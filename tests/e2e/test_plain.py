@@ -1,7 +1,8 @@
 """Requests without logprobs: token ids and prompt_embeds of every size, on every executor.
 
 These run first in each profile: on the compiled-graph executor they are what
-answers before the first logprobs request (issue 5).
+answers before the first logprobs request
+(findings/cgraph-raylet-writeacquire).
 """
 
 from __future__ import annotations

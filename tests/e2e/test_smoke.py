@@ -99,7 +99,7 @@ def test_every_process_runs_the_profile_modes(cluster) -> None:
 
 
 def test_a_warm_compile_cache_is_loaded_not_rebuilt(cluster) -> None:
-    """Issue 21: what the first requests compile is kept (compose: a named volume across `make down`);
+    """What the first requests compile is kept (compose: a named volume across `make down`);
     a start that found it there builds nothing again. A start with an empty cache fills it."""
     blind = cluster.backend.blind_to("engine-log")
     if blind:

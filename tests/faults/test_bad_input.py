@@ -16,14 +16,16 @@ from vllm_zerocopy_testbed.workload.requests import Record
 
 pytestmark = [pytest.mark.faults, pytest.mark.suite("bad-input"), pytest.mark.timeout(900)]
 
-# Without logprobs, so that the check also runs on the compiled-graph executor (issue 5).
+# Without logprobs, so that the check also runs on the compiled-graph executor, whose first
+# logprobs request deadlocks without the testbed's fix (findings/cgraph-raylet-writeacquire).
 _VALID = plain_specs(SIZES, MODEL_SPEC)[:2]
 # Findings, not test bugs: vLLM 0.32 answers non-finite prompt_embeds with HTTP 200 (an empty
 # completion). Expected only as exactly that: HTTP 200, the server healthy, the valid answers
 # unchanged; a 5xx, a dead server or changed answers stay red, and so does a 4xx (the day vLLM
 # rejects them, the finding goes).
-FINDINGS = {"embeds-nan": "vLLM accepts NaN prompt_embeds with HTTP 200 (0.32.0 to 0.34.0: findings/prompt-embeds-nonfinite)",
-            "embeds-inf": "vLLM accepts inf prompt_embeds with HTTP 200 (0.32.0 to 0.34.0: findings/prompt-embeds-nonfinite)"}
+NON_FINITE = ("non-finite prompt_embeds: vLLM answers NaN and inf prompt_embeds with HTTP 200 and an empty "
+              "completion (findings/prompt-embeds-nonfinite, 0.32.0 to 0.34.0)")
+FINDINGS = {"embeds-nan": NON_FINITE, "embeds-inf": NON_FINITE}
 CASES = [pytest.param(c, id=c.name)
          for c in bad_input.cases(SETTINGS["TESTBED_SERVED_MODEL"], max_model_len=int(SETTINGS["TESTBED_MAX_MODEL_LEN"]))]
 

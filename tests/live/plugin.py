@@ -39,7 +39,7 @@ class _Progress(logging.Handler):
     """The testbed's own INFO lines (a server or cluster starting, up, down; each workload sent and
     answered; what a long start waits for, every 15 s) on the terminal as they happen, with the
     time since the session began: pytest would otherwise hold them until a test fails, and a run
-    of 20 minutes said nothing for minutes on end (issue 21). Written as pytest's own live log
+    of many minutes would say nothing for minutes on end. Written as pytest's own live log
     is, with capture suspended; called from the main thread only."""
 
     def __init__(self, config: pytest.Config) -> None:
@@ -81,7 +81,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 # Within a profile: requests without logprobs first (on the compiled-graph executor the
-# first logprobs request kills the engine, issue 5), the cross-profile checks last.
+# first logprobs request kills the engine: findings/cgraph-raylet-writeacquire), the cross-profile checks last.
 SUITE_ORDER = ("plain", "bad-input", "embeds", "logprobs", "concurrent", "sequential", "restart", "smoke",
                "structured", "across", "nemesis")
 

@@ -1,4 +1,4 @@
-"""Bad-input judging: a known finding matches only itself (issue 17, item 3)."""
+"""Bad-input judging: a known finding matches only itself."""
 
 from __future__ import annotations
 

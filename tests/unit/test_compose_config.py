@@ -76,7 +76,8 @@ def test_the_cpu_profile_is_untouched_by_the_gpu_file() -> None:
 
 
 def test_small_tcp_buffers_only_when_asked() -> None:
-    """TESTBED_TCP_BUFFERS caps the kernel's buffers in every node container (issue 16's amplifier)."""
+    """TESTBED_TCP_BUFFERS caps the kernel's buffers in every node container (it widens the send race's window:
+    findings/53217-oob-send-race)."""
     assert all("sysctls" not in service for service in _rendered()["services"].values())
     services = _rendered(TESTBED_TCP_BUFFERS="65536")["services"]
     for name in ("head", "worker"):

@@ -1,4 +1,4 @@
-"""Compose instances (issue 46: runs side by side): a run owns its compose project, its published ports
+"""Compose instances (runs side by side): a run owns its compose project, its published ports
 and its network; one whose project another live run holds takes the next instance, or says who holds it.
 
 The lock is real (``flock`` across processes, as two runs are); the projects are the test's own names,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from vllm_zerocopy_testbed import config
@@ -63,8 +65,9 @@ def test_the_e2e_run_settings_are_read_once_with_one_default_each() -> None:
     from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, ConfigError, E2ERun
 
     settings = ClusterSettings.from_env({"RAY_CGRAPH_get_timeout": "30"})
-    run = E2ERun.from_env(settings, {}, started="20261202-010203")
-    assert run.report_dir == REPO_ROOT / "reports/e2e-20261202-010203"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(0))
+    run = E2ERun.from_env(settings, {}, started=stamp)
+    assert run.report_dir == REPO_ROOT / f"reports/e2e-{stamp}"
     assert run.request_timeout_s == 90.0, "the channel timeout + 60 s: a stall ends as the server's error"
     assert run.latency_budget == 30.0
     run = E2ERun.from_env(settings, {"TESTBED_REPORT_DIR": "reports/x", "TESTBED_REQUEST_TIMEOUT_S": "12",

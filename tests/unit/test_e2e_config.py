@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from vllm_zerocopy_testbed.config import (CHANNEL_TIMEOUT_ENV, DEFAULT_CHANNEL_TIMEOUT_S, REPO_ROOT, ClusterSettings,
                                           ConfigError, Executor, TestbedConfig, e2e_profiles, warm_channel_timeout)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
+from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed.report import RunReport, TestResult
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
 from vllm_zerocopy_testbed.model import IMAGE_MODELS
@@ -94,6 +96,30 @@ def test_report_cell_shows_the_worst_outcome() -> None:
     records = [Record(key="k", suite="embeds", profile="v2/testbed", bound_s=9, latency_s=1.0)]
     table = report.table(records)
     assert "| embeds | FAIL 1 req p50 1.00 s p95 1.00 s |" in table
+
+
+def test_a_known_failure_is_one_line_per_finding_and_profile_naming_its_tests(tmp_path) -> None:
+    """Two tests failing as one finding on one profile: one report line with the finding's folder
+    and both tests; another profile gets its own line, and a real failure keeps its own."""
+    reason = E2E["cgraph_logprobs"].reason
+    report = RunReport(profiles=["cgraph/upstream", "cgraph/off"])
+    report.results += [
+        TestResult("test_logprobs_k[cgraph/upstream]", "logprobs", "cgraph/upstream", "xfailed", message=reason),
+        TestResult("test_smoke[cgraph/upstream]", "smoke", "cgraph/upstream", "xfailed", message=reason),
+        TestResult("test_plain[cgraph/upstream]", "plain", "cgraph/upstream", "passed"),
+        TestResult("test_smoke[cgraph/off]", "smoke", "cgraph/off", "xfailed", message=reason),
+        TestResult("test_embeds[cgraph/off]", "embeds", "cgraph/off", "failed", message="boom"),
+    ]
+    report.write(tmp_path, [])
+    text = (tmp_path / "report.md").read_text()
+    known = [line for line in text.splitlines() if "findings/cgraph-raylet-writeacquire" in line]
+    assert known == [f"- cgraph/upstream: {reason}; tests: `test_logprobs_k`, `test_smoke`",
+                     f"- cgraph/off: {reason}; tests: `test_smoke`"]
+    assert "issue" not in text and "- `test_embeds[cgraph/off]` (cgraph/off): boom" in text
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["known"][0] == {"profile": "cgraph/upstream", "finding": "findings/cgraph-raylet-writeacquire",
+                                "reason": reason, "tests": ["test_logprobs_k", "test_smoke"]}
+    assert len(data["results"]) == 5 and data["cells"], "the per-test results and cells stay as they were"
 
 
 def test_structured_specs_take_prompt_lengths_and_reject_bad_ones() -> None:

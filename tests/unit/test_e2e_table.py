@@ -1,5 +1,5 @@
 """docs/e2e.md's table of every e2e test (where it runs, which pair it guards) names exactly the
-tests tests/e2e has, each under the report row (suite) it belongs to (issue 21)."""
+tests tests/e2e has, each under the report row (suite) it belongs to."""
 
 from __future__ import annotations
 

@@ -237,7 +237,7 @@ def test_each_backend_says_which_nemeses_it_can_run() -> None:
 
 
 def test_a_run_says_what_it_sends_and_how_it_ended(server: Server, caplog: pytest.LogCaptureFixture) -> None:
-    """The progress lines `make e2e` shows as they happen (issue 21): what is sent, then the answers,
+    """The progress lines `make e2e` shows as they happen: what is sent, then the answers,
     the seconds and how many were not ok, for each way of running."""
     runner = _runner(server, History())
     with caplog.at_level(logging.INFO, logger="vllm_zerocopy_testbed.workload.runner"):

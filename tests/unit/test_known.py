@@ -1,10 +1,11 @@
-"""Known failures match only the failure they name (issue 17, item 2)."""
+"""Known failures match only the failure they name."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.known import COMPONENT, E2E, Signature
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.known import COMPONENT, E2E, Signature, finding_of
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +50,18 @@ def test_every_component_known_failure_names_a_reason_per_mode_and_a_pattern() -
         assert known.env in ("TESTBED_BROADCAST", "TESTBED_DETACH", "TESTBED_INFLIGHT", "TESTBED_ARENA"), prop
         assert known.reasons and set(known.reasons) <= {"off", "upstream"}, prop
         assert known.signature.pattern and known.signature.exceptions, prop
+
+
+def test_a_reason_says_what_fails_and_names_only_findings_that_exist() -> None:
+    """A reader follows a reason to its finding's REPORT.md; a reason without one says what fails."""
+    reasons = [r for known in COMPONENT.values() for r in known.reasons.values()] + [k.reason for k in E2E.values()]
+    for reason in reasons:
+        what, _, why = reason.partition(": ")
+        assert what and why, f"no 'what fails: why' in {reason!r}"
+        folder = finding_of(reason)
+        assert folder is None or (REPO_ROOT / folder / "REPORT.md").is_file(), reason
+    assert finding_of(E2E["cgraph_logprobs"].reason) == "findings/cgraph-raylet-writeacquire"
+    assert finding_of(COMPONENT["race_free_tensor"].reasons["upstream"]) == "findings/53217-oob-send-race"
 
 
 INNER_CONFTEST = '''
@@ -103,7 +116,7 @@ CHANNEL_TIMEOUT = (
     "timeouts: 1 problem(s)\n  logprobs/k1: 500 after 64.8 s: InternalServerError: Error code: 500\n"
     "--- server and node logs (cgraph/upstream) ---\n"
     "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting for object available "
-    "to read. ObjectID: 00ffffffffffffff\nhead-1 | ERROR EngineDeadError: EngineCore encountered an issue.")
+    "to read. ObjectID: 00ffff\nhead-1 | ERROR EngineDeadError: EngineCore encountered an issue.")
 DIED_OF_TIMEOUT = ("not run: the engine died in suite 'logprobs' (logprobs/k1: InternalServerError); server log: "
                    "head-1 | ERROR ray.exceptions.RayChannelTimeoutError: System error: Timed out waiting")
 DIED_OF_SOMETHING_ELSE = ("not run: the engine died in suite 'logprobs' (logprobs/k1: InternalServerError); "
@@ -140,7 +153,7 @@ def test_the_channel_timeout_and_a_death_it_caused_match_the_cgraph_known_failur
 
 @pytest.mark.parametrize("text", [WRONG_TOKENS, DIED_OF_SOMETHING_ELSE], ids=["wrong-tokens", "other-death"])
 def test_a_bit_exact_regression_or_another_death_on_cgraph_upstream_is_red(text) -> None:
-    """Deliberately different failures of a known-failing test: they must not pass as issue 5."""
+    """Deliberately different failures of a known-failing test: they must not pass as the compiled-graph deadlock."""
     with pytest.raises(pytest.fail.Exception) as info:
         pytest.fail(text, pytrace=False)
     why = E2E["cgraph_logprobs"].signature.mismatch(info.value, "")
@@ -152,9 +165,10 @@ def test_the_zero_copy_signature_is_the_transport_checkers_words() -> None:
 
     from vllm_zerocopy_testbed.patches.wiretap import WIRE_PREFIX
 
-    in_band = transport.check_out_of_band(f"{WIRE_PREFIX} path=remote frames=2100000", 2097152, path="remote")
+    tensor = 2 << 20  # a 2 MiB tensor, sent in band: one frame a little larger than it
+    in_band = transport.check_out_of_band(f"{WIRE_PREFIX} path=remote frames={tensor + 2848}", tensor, path="remote")
     assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(in_band))), "") is None
-    nothing_sent = transport.check_out_of_band("", 2097152, path="remote")  # the wire tap is gone: another failure
+    nothing_sent = transport.check_out_of_band("", tensor, path="remote")  # the wire tap is gone: another failure
     assert E2E["zero_copy"].signature.mismatch(_raised(AssertionError(str(nothing_sent))), "")
 
 

@@ -1,4 +1,4 @@
-"""A run removes from /dev/shm only what its own processes made (issue 46: two runs on one machine).
+"""A run removes from /dev/shm only what its own processes made (two runs may share one machine).
 
 Real processes and real POSIX shared memory: each "run" starts a process with its claim's token that
 creates a segment and dies by SIGKILL (as vLLM's do on a stop), while a process of no claim (another

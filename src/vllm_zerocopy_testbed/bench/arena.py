@@ -1,4 +1,4 @@
-"""vLLM 0.32's shared-memory tensor arena per arena mode, beside a memcpy of the same bytes (issues 23, 47).
+"""vLLM 0.32's shared-memory tensor arena per arena mode, beside a memcpy of the same bytes.
 
 One writer (this process) and 1, 2 or 4 local reader processes through one real ``MessageQueue``
 with ``enable_shm_tensor_arena=True`` (vLLM's 24 MiB ring chunk). A message is one CPU tensor of
@@ -20,7 +20,7 @@ caches, where vLLM's round robin takes the coldest: taking turns with it, the te
 the ones vLLM's writes just left, so this part understates the difference); and the queue's
 ``floor``, a message of one 4 KiB tensor on the same queue and readers (what any message costs).
 
-Goal (issues 23 and 47): the arena within 2x of a memcpy of the same bytes.
+Goal: the arena within 2x of a memcpy of the same bytes.
 """
 
 from __future__ import annotations

@@ -174,9 +174,8 @@ def measure(topology: str, sizes: tuple[int, ...], *, budget_s: float, baselines
 
 
 def memcpy_floors(sizes: set[int], *, quick: bool) -> dict[int, Sample]:
-    """The memcpy of each size, measured before any reader process starts (measured beside the
-    arena part's waiting readers it read 15.9 ms for 64 MiB against 5.9 ms quiet; measured as the
-    broadcast part's readers exited, 7.99 ms for 8 MiB against 0.17-0.26 ms)."""
+    """The memcpy of each size, measured before any reader process starts: beside waiting or
+    exiting readers the same copy takes several times as long."""
     return {n: memcpy(n, 1.0 if quick else 2.0) for n in sorted(sizes)}
 
 

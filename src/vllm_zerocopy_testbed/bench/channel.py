@@ -7,7 +7,7 @@ cost is in every variant). Per step, from ``execute`` until the driver holds
 an output it may keep:
 
 - ``none``: the read-only zero-copy arrays as they arrive (the driver drops
-  them at once here; kept, they stall the channel: issue 35319);
+  them at once here; kept, they stall the channel: vLLM#35319);
 - ``detach``: the testbed's detach (copy every read-only array);
 - ``lists``: the actor converts the arrays to Python lists before returning
   (upstream PR 41218's approach): nothing to detach, larger pickles.

@@ -145,6 +145,6 @@ def run_inflight(*, quick: bool, progress: Callable[[LatencyFigure], None],
     for workload in workloads:
         up, ours = by.get(("cgraph/upstream", workload)), by.get(("cgraph/testbed", workload))
         if up and ours and up.tokens_per_s:
-            note(f"in-flight cap (issue 5) on {workload}: {ours.tokens_per_s / up.tokens_per_s:.2f} x upstream's "
+            note(f"in-flight cap on {workload}: {ours.tokens_per_s / up.tokens_per_s:.2f} x upstream's "
                  f"tokens/s, total p50 {ours.total_p50 / up.total_p50:.2f} x")
     return figures

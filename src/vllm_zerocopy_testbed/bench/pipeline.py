@@ -1,4 +1,4 @@
-"""What the in-flight cap (issue 5) costs where the pipeline is the bottleneck: PP overlap lost.
+"""What the in-flight cap (patches/inflight.py) costs where the pipeline is the bottleneck: PP overlap lost.
 
 On the CPU cluster each node has one core shared by its two TP ranks, and the
 e2e ``inflight`` part found the cap free there. Where a stage's work is device
@@ -74,7 +74,7 @@ def _driver(address: str, stage_ms: float, budget_s: float) -> None:
     class Rank:
         def step(self, value: int) -> int:
             time.sleep(stage_ms / 1e3)  # the stage's device time: no core held
-            return value + 1  # a Python int: no zero-copy buffer the driver could hold (issue 5)
+            return value + 1  # a Python int: no zero-copy buffer the driver could hold
 
     stage0 = [Rank.options(resources={_STAGE0: 0.01}).remote() for _ in range(2)]
     stage1 = [Rank.options(resources={_STAGE1: 0.01}).remote() for _ in range(2)]

@@ -16,7 +16,7 @@ from vllm_zerocopy_testbed.bench.e2e import LatencyFigure
 from vllm_zerocopy_testbed.bench.pipeline import PipelineFigure
 from vllm_zerocopy_testbed.bench.stats import Ratio
 
-# The goals of issue 47, checked on every run (``goals``)
+# The bench's goals (what the fixes may cost), checked on every run (``goals``)
 TESTBED_X_UPSTREAM = 1.0
 DETACH_X_UPSTREAM = 1.1
 QUICK_SECONDS = 90
@@ -112,7 +112,7 @@ def _verdict(total: int, failed: int, what: str) -> str:
 
 def goals(*, broadcast: list[BroadcastFigure], arena: list[ArenaFigure], detach: list[DetachFigure],
           meta: dict[str, Any]) -> list[str]:
-    """One line per goal of issue 47 this run measured: met, or not and the measured reason."""
+    """One line per goal this run measured: met, or not and the measured reason."""
     lines = []
     testbed = [f for f in broadcast if f.mode == "testbed" and f.ratio is not None]
     held = {(f.topology, f.nbytes): f.enqueue_ms for f in broadcast if f.mode == "upstream"}
@@ -285,7 +285,7 @@ def write(out: Path, *, broadcast: list[BroadcastFigure], channel: list[ChannelF
             md += [f"## {title}", "", table, ""] + ([f"![{plot}]({plot}.png)", ""] if plot else [])
     goal_lines = goals(broadcast=broadcast, arena=arena, detach=detach, meta=meta)
     if goal_lines:
-        md += ["## Goals (issue 47)", ""] + [f"- {line}" for line in goal_lines] + [""]
+        md += ["## Goals", ""] + [f"- {line}" for line in goal_lines] + [""]
     md += [f"- {n}" for n in meta.get("notes", [])]
     (out / "bench.md").write_text("\n".join(md) + "\n")
     return [out / "bench.json", out / "bench.md", *plots]

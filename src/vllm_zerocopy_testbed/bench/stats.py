@@ -118,7 +118,7 @@ def paired(values: Sequence[float], base: Sequence[float]) -> Ratio:
 def self_ratio(base: Sequence[float], period: int = 2) -> Ratio | None:
     """The machine's noise as a ratio: ``base`` against itself, each round over the round ``period``
     later (with ``period`` variants taking turns, rotated each round, the one where ``base`` held
-    the same place: its place in a round moves its time, measured up to 13%); None below two pairs."""
+    the same place: its place in a round moves its time by several percent); None below two pairs."""
     pairs = [(later, earlier) for start in range(0, len(base) - period, 2 * period)
              for earlier, later in zip(base[start:start + period], base[start + period:start + 2 * period])]
     if len(pairs) < 2:

@@ -308,7 +308,7 @@ class ReusedCluster:
 
     def stop(self) -> None:
         """Stop the cluster, if any, with a short grace (a crashed or restarted node's `ray start`
-        leader waits out a long one: 16-20 s, measured); raise if anything of it survived."""
+        leader waits out a long one); raise if anything of it survived."""
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop(timeout=self.stop_timeout)

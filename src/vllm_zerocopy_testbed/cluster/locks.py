@@ -1,4 +1,4 @@
-"""Machine-wide locks on what two runs cannot share (issue 46): a compose project with its ports and
+"""Machine-wide locks on what two runs side by side cannot share: a compose project with its ports and
 network, the local Ray cluster's fixed ports. One ``flock``-ed file per name in ``LOCK_DIR``; the
 process that holds it owns the thing for its life, and the kernel drops the lock when that process
 ends, however it ends. Two clones of the repository share Docker and the ports: hence /tmp, not the

@@ -1,7 +1,7 @@
 """Leftovers in /dev/shm: vLLM leaves ``psm_*``, ``*-cpushm*`` and ``sem.*`` on SIGTERM, Ray's compiled
 graphs their channel semaphores, torch its ``torch_*`` segments.
 
-A run removes only what its own processes made (issue 46: two runs on one machine). The names say
+A run removes only what its own processes made (two runs may share one machine). The names say
 nothing of their maker, and a file outlives the process that made it, so ownership is recorded while
 the processes live: every process a run starts carries ``TESTBED_OWNER=<token>`` in its environment
 (inherited by what it spawns: vLLM's workers, Ray's), and ``ShmClaim.record`` adds the entries those

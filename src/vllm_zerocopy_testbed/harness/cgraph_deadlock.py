@@ -1,4 +1,5 @@
-"""Pure-Ray reproduction: a cross-node compiled graph deadlocks on zero-copy outputs (issue 5).
+"""Pure-Ray reproduction: a cross-node compiled graph deadlocks on zero-copy outputs
+(findings/cgraph-raylet-writeacquire).
 
 Standalone (needs only ``ray`` and ``numpy``): ``python cgraph_deadlock.py [--inband]``.
 

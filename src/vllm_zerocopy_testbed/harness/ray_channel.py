@@ -137,7 +137,7 @@ def run_compiled_graph(
 
     options = {"resources": {node_resource: 0.01}} if node_resource else {}
     # The actor's worker imports vLLM while this process does: on two cores each driver
-    # run starts ~5 s sooner than with the imports one after the other (issue 21).
+    # run starts sooner than with the imports one after the other.
     actor = _producer_class().options(**options).remote(shape)
     from vllm.v1.executor import ray_utils
 

@@ -63,7 +63,7 @@ def _slot_mapping(arena: Any, arena_name: str, slot: int) -> tuple[mmap.mmap, in
 
     Kept, its page table entries stay: a later message in the slot reads the pages the writer
     rewrote with no fault (they are the file's pages), where a new mapping per message faulted
-    on every page (measured: 0.8x a memcpy of the bytes per reader at 8 MiB, docs/design.md)."""
+    on every page (a cost of the order of a memcpy of the bytes per reader, docs/design.md)."""
     maps = _PRIVATE_MAPS.setdefault(arena, {})
     if slot not in maps:
         fd = os.open(os.path.join(SHM_DIR, arena_name.lstrip("/")), os.O_RDONLY)

@@ -1,4 +1,4 @@
-"""Detach Ray compiled-graph outputs from channel memory (upstream issue 35319).
+"""Detach Ray compiled-graph outputs from channel memory (vLLM#35319).
 
 Ray's shared-memory channels deserialize numpy arrays zero-copy and read-only,
 backed by the channel buffer. While any of them is alive the writer cannot

@@ -1,8 +1,8 @@
 """A timeline of every out-of-band MessageQueue buffer (``TESTBED_MQ_TIMELINE=1``; off by default).
 
-Issue 16: upstream PR 53217 says remote workers receive buffers that the engine wrote
-again while ZMQ still held them. Whether that happens is a question of three times, all
-taken on the engine's monotonic clock:
+The send race (findings/53217-oob-send-race): upstream PR 53217 says remote workers receive
+buffers that the engine wrote again while ZMQ still held them. Whether that happens is a
+question of three times, all taken on the engine's monotonic clock:
 
 * ``send``: an out-of-band frame (>= 1 MiB) is handed to ZMQ with ``copy=False``; logged
   with its address, size, CRC-32 and the RPC it belongs to (``execute_model``, ...);

@@ -38,7 +38,7 @@ def install(log: logging.Logger, timeline: bool = False) -> None:
     """Tap every MessageQueue writer created from now on in this process (idempotent).
 
     With ``timeline``, each large out-of-band frame's hand-off and release also go to
-    ``patches/timeline.py`` (issue 16).
+    ``patches/timeline.py`` (the send race's timeline, findings/53217-oob-send-race).
     """
     global _installed
     if _installed:

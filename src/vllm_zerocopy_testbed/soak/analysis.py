@@ -20,7 +20,7 @@ from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Record
 # 1.5 GiB (a node container has 2 GiB of /dev/shm and shares the machine's memory), /dev/shm
 # 24 MiB, 48 files, 240 descriptors, 384 MiB of object store. A leak of one small object per
 # request (~3 requests/s here) passes none of them. heap_in_use_mb (vLLM processes' C heap in
-# use, node/heap.py) has RSS's budget: RSS can pass it only if live memory does.
+# use, observe/heap.py) has RSS's budget: RSS can pass it only if live memory does.
 # python_blocks (objects and buffers Python's allocator holds in the vLLM processes): 50,000 an
 # hour is about 5 per request at the soak's ~10,000 requests an hour; a leak of Python objects
 # shows here first (a planted list of every output: +2,250,000 an hour).

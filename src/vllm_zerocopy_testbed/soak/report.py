@@ -74,7 +74,7 @@ def markdown(meta: dict[str, Any], records: list[Record], rates: list[Growth], m
     errors = ["", "Samples that failed:", *(f"- {e}" for e in sample_errors[:10])] if sample_errors else []
     where = (["", "Where RSS grows (the largest processes per node, no budget):", "",
               process_table(list(processes), heap=process_heap)] if processes else [])
-    what = ["", "What the RSS growth is (vLLM processes' heap probes, node/heap.py):", "",
+    what = ["", "What the RSS growth is (vLLM processes' heap probes, observe/heap.py):", "",
             *(f"- {line}" for line in diagnosis)] if diagnosis else []
     known_lines = (["", "Known growth (judged without it; its signature and what it accounts for):", "",
                     *(f"- {line}" for line in known)] if known else [])
