@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import time
 from abc import ABC, abstractmethod
+from typing import NoReturn
 
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement
 from vllm_zerocopy_testbed.config import ClusterSettings
@@ -127,8 +129,9 @@ class Cluster(Service):
         backend sees them ``shm_mb``, ``shm_files``, ``object_store_mb``. ``make soak`` samples it."""
         raise Unsupported(f"{type(self).__name__} cannot sample a node's usage")
 
-    # -- nemeses: what goes wrong on purpose (nemesis.py); ``node`` is "head" or "worker" --------
-    # Operations a backend cannot do, and why (the tests that need one skip with the reason).
+    # -- nemeses: what goes wrong on purpose (nemesis.py); ``node`` is one of ``nodes()`` ---------
+    # Each operation below is what a backend overrides; the base class says it cannot, so a test
+    # that needs one skips with the reason (``cannot``). Operations a backend cannot do, and why:
     UNSUPPORTED: dict[str, str] = {}
 
     def cannot(self, op: str) -> str | None:
@@ -139,32 +142,56 @@ class Cluster(Service):
             return f"{type(self).__name__} has no {op!r}"
         return None
 
-
-# The nemesis operations every backend may implement (``node``: "head", "worker"); what the base
-# class does is say that it cannot. Read as the interface's documentation:
-NEMESIS_OPERATIONS = {
-    "kill": "(node) kill every process of a node at once (SIGKILL), as a lost host",
-    "pause": "(node) freeze every process of a node (SIGSTOP, docker pause): alive, connections open, silent",
-    "resume": "(node) undo pause; a no-op where the node is not paused",
-    "isolate": "(node) cut a node off the cluster's network, its processes running",
-    "rejoin": "(node) undo isolate; a no-op where the node is not isolated or is gone",
-    "restart": "(node) stop a node (bounded grace) and start it again with the same settings",
-    "signal_process": "(node, pattern, signum=SIGKILL, count=None) send signum to a node's processes whose command "
-                      "line contains pattern (the first count by PID, or all), the node itself left alone; their PIDs",
-    "fill_shm": "(node) fill the node's /dev/shm with one file of all its free bytes; the bytes it took",
-    "free_shm": "(node) remove fill_shm's file; a no-op where there is none or the node is gone",
-    "state": "(node) the node's state: running, paused, isolated, exited or missing",
-}
-
-
-def _cannot(op: str, what: str):
-    def operation(self: Cluster, *args: object) -> object:
+    def _unsupported(self, op: str) -> NoReturn:
         raise Unsupported(f"{type(self).__name__} cannot {op}")
 
-    operation.__name__ = operation.__qualname__ = op
-    operation.__doc__ = what
-    return operation
+    def kill(self, node: str) -> None:
+        """Kill every process of ``node`` at once (SIGKILL), as a lost host."""
+        self._unsupported("kill")
+
+    def pause(self, node: str) -> None:
+        """Freeze every process of ``node`` (SIGSTOP, docker pause): alive, connections open, silent."""
+        self._unsupported("pause")
+
+    def resume(self, node: str) -> None:
+        """Undo ``pause``; a no-op where the node is not paused."""
+        self._unsupported("resume")
+
+    def isolate(self, node: str) -> None:
+        """Cut ``node`` off the cluster's network, its processes running."""
+        self._unsupported("isolate")
+
+    def rejoin(self, node: str) -> None:
+        """Undo ``isolate``; a no-op where the node is not isolated or is gone."""
+        self._unsupported("rejoin")
+
+    def restart(self, node: str) -> None:
+        """Stop ``node`` (bounded grace) and start it again with the same settings."""
+        self._unsupported("restart")
+
+    def signal_process(self, node: str, pattern: str, signum: int = signal.SIGKILL,
+                       count: int | None = None) -> list[int]:
+        """Send ``signum`` to the processes of ``node`` whose command line contains ``pattern`` (the
+        first ``count`` by PID, or all), the node itself left alone; return their PIDs."""
+        self._unsupported("signal_process")
+
+    def fill_shm(self, node: str) -> int:
+        """Fill the node's /dev/shm with one file of all its free bytes; return the bytes it took."""
+        self._unsupported("fill_shm")
+
+    def free_shm(self, node: str) -> None:
+        """Remove ``fill_shm``'s file; a no-op where there is none or the node is gone."""
+        self._unsupported("free_shm")
+
+    def state(self, node: str) -> str:
+        """Return the node's state: ``running``, ``paused``, ``isolated``, ``exited`` or ``missing``."""
+        self._unsupported("state")
 
 
-for _op, _what in NEMESIS_OPERATIONS.items():
-    setattr(Cluster, _op, _cannot(_op, _what))
+# The nemesis operations (the methods above), for code that walks them: nemeses name the ones they
+# need, the external backend refuses each.
+NEMESIS_OPERATIONS: dict[str, str] = {
+    op: (getattr(Cluster, op).__doc__ or "").split("\n")[0]
+    for op in ("kill", "pause", "resume", "isolate", "rejoin", "restart", "signal_process", "fill_shm", "free_shm",
+               "state")
+}
