@@ -26,6 +26,7 @@ from pathlib import Path
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.bench import stats
 from vllm_zerocopy_testbed.cluster import process
+from vllm_zerocopy_testbed.cluster.shm import ShmClaim
 from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 from vllm_zerocopy_testbed.mutants import overlay
 
@@ -33,6 +34,9 @@ FINDINGS = REPO_ROOT / "findings"
 # The runner's bound on one repro beyond the repro's own cap (vLLM's import, reaping its children).
 MARGIN_S = 60
 DEFAULT_CAP_S = 240
+# How often a run's processes are read (PIDs, what they map in /dev/shm) while they live: a process
+# that made a Ray channel semaphore and was killed is known as ours only if a reading saw it alive.
+SHM_WATCH_S = 0.5
 # No plugin of this testbed (nor any other) may change what the repro runs: vLLM loads only
 # the general plugins VLLM_PLUGINS names, and an empty name names none.
 STOCK_ENV = {"VLLM_PLUGINS": ""}
@@ -164,16 +168,25 @@ def _apply(diff: Path, scratch: Path) -> list[str]:
 
 @dataclass
 class Run:
-    """One repro run: its exit status, the line it printed and its seconds."""
+    """One repro run: its exit status, the line it printed, its seconds, and what its processes left
+    in /dev/shm that the runner removed."""
 
     returncode: int
     line: str
     seconds: float
+    shm_removed: list[str] = field(default_factory=list)
 
 
 def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tuple[str, ...] = ()) -> Run:
     """Run ``repro.py`` in its own session, bounded by its cap plus ``MARGIN_S``; its output goes to
-    ``workdir``. A run past the bound is killed with its whole group and reported as ``-9``."""
+    ``workdir``. A run past the bound is killed with its whole group and reported as ``-9``.
+
+    /dev/shm is left as the run found it: its processes carry a ``ShmClaim`` token (read every
+    ``SHM_WATCH_S`` while they live), and once they are all gone what they mapped or held, and
+    the Ray channel semaphores named after one of their PIDs (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``:
+    nobody unlinks them when Ray's processes are killed, by the repro or by this runner), are
+    removed and listed in ``Run.shm_removed``. Entries that were there before, or that other
+    processes made meanwhile, stay."""
     workdir.mkdir(parents=True, exist_ok=True)
     # What a repro's processes leave in /tmp (vLLM's /tmp/<uuid> IPC sockets and /tmp/vllm_dist_*
     # file stores, multiprocessing's pymp-*, Ray's session folders) goes to a folder of this run,
@@ -181,6 +194,8 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
     ipc = tempfile.mkdtemp(prefix="up-")
     env = process_env(**STOCK_ENV, VLLM_RPC_BASE_PATH=ipc, TMPDIR=ipc)
     env = {k: v for k, v in env.items() if not k.startswith("TESTBED_")}
+    shm = ShmClaim.take()
+    env.update(shm.env)  # only the runner reads it: which processes, and so which /dev/shm entries, are ours
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
     started = time.monotonic()
@@ -188,15 +203,19 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(finding.repro), *args], cwd=workdir, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        shm.watch(SHM_WATCH_S)
         try:
             returncode = proc.wait(timeout=finding.cap_s + MARGIN_S)
         except subprocess.TimeoutExpired:
             returncode = -9
         finally:
             # Its readers, Ray nodes and their workers (Ray gives each its own process group, in
-            # this session): only this run's session, bounded.
+            # this session): only this run's session, bounded. Read once more before the kill:
+            # what they map now is left behind by SIGKILL.
+            shm.record(process.session_pids(proc.pid))
             process.kill_session(proc.pid)
             proc.wait()
+            removed = shm.remove_new()
             shutil.rmtree(ipc, ignore_errors=True)
     seconds = time.monotonic() - started
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -204,7 +223,7 @@ def run_repro(finding: Finding, workdir: Path, pythonpath: Path | None, args: tu
     line = (verdicts or lines or ["(no output)"])[-1].strip()
     if returncode == -9:
         line = f"killed by the runner after {finding.cap_s + MARGIN_S:.0f} s (past the repro's own cap): {line}"
-    return Run(returncode, line if line.startswith(BENCH) else line[:400], round(seconds, 1))
+    return Run(returncode, line if line.startswith(BENCH) else line[:400], round(seconds, 1), removed)
 
 
 @dataclass
