@@ -1,0 +1,345 @@
+"""Which tests ran each function of the code under test, in every process they started; and which
+function a mutation changed.
+
+The map comes from one coverage.py run of the chosen tests: a context per test (the test's node
+id), also in the processes a test starts (harness readers forked from a fork server, Ray workers),
+where coverage.py's own subprocess patches would carry the first test's label: a
+``sitecustomize.py`` in a scratch folder starts coverage in every Python process with the label of
+the test running at that moment (an environment variable for spawned processes, a file read after
+``fork`` for forked ones). It is stored as JSON under ``.cache/`` keyed by the digests of the
+measured sources, the tests and the testbed's code, and reused while none of them changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
+
+log = logging.getLogger(__name__)
+
+MODULE_LEVEL = "<module>"
+# Outcomes of a test in the coverage run that make it a judge: it was green there, so a red
+# run with a mutant in place is the mutant's doing. A strict xfail that passes is red too.
+GREEN = frozenset({"passed", "xfailed"})
+CONTEXT_ENV = "TESTBED_COV_CONTEXT"
+CURRENT_TEST_ENV = "TESTBED_COV_TEST_FILE"
+OUTCOMES_ENV = "TESTBED_COV_OUTCOMES"
+COVERAGE_RUN_TIMEOUT_S = 3 * 3600
+
+# Runs at start-up of every Python process of the coverage run (stdlib and coverage only).
+_SITECUSTOMIZE = '''\
+"""Written by vllm_zerocopy_testbed.mutants.coverage_map: measure this process, labelled with the running test."""
+import os
+
+_RC = os.environ.get("COVERAGE_PROCESS_START")
+if _RC:
+    import coverage
+
+    _real_exit = os._exit
+    _state = {}
+
+    def _start():
+        cov = coverage.Coverage(config_file=_RC, data_suffix=True, auto_data=True,
+                                context=os.environ.get("%(context)s", ""))
+        cov._warn_no_data = False
+        cov._warn_unimported_source = False
+        cov._warn_preimported_source = False
+        cov.start()
+        _state["cov"] = cov
+
+    def _exit(status):
+        # multiprocessing's children end in os._exit: no atexit, so save here.
+        try:
+            _state["cov"].stop()
+            _state["cov"].save()
+        except Exception:
+            pass
+        _real_exit(status)
+
+    def _after_fork():
+        # A fork server's child runs the test of now, not the one its server started in. The
+        # inherited measurement is left paused under the new one (not stopped: that would write
+        # the server's lines again, from this process), and never saved here.
+        _state["cov"]._auto_save = False
+        try:
+            with open(os.environ["%(current)s"]) as f:
+                os.environ["%(context)s"] = f.read().strip()
+        except (KeyError, OSError):
+            pass
+        _start()
+
+    _start()
+    os._exit = _exit
+    os.register_at_fork(after_in_child=_after_fork)
+'''
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function's qualified name and the lines of its body (nested functions' bodies excluded)."""
+
+    qualname: str
+    start: int  # first body line
+    end: int  # last line
+    nested: tuple[tuple[int, int], ...] = ()
+
+    def owns(self, line: int) -> bool:
+        return self.start <= line <= self.end and not any(a <= line <= b for a, b in self.nested)
+
+
+def functions(source: str) -> list[Function]:
+    """Return every function and method of ``source``, nested ones too (``outer.inner``)."""
+    found: list[Function] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                nested = tuple((d.lineno, d.end_lineno or d.lineno) for d in ast.walk(child)
+                               if d is not child and isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                found.append(Function(name, child.body[0].lineno, child.end_lineno or child.lineno, nested))
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def function_at(source: str | list[Function], line: int) -> str:
+    """Return the qualified name of the function whose body holds ``line``, or ``<module>``.
+
+    A ``def`` line, its decorators and default values run when the module or the enclosing
+    function runs, so they belong there, not to the function.
+    """
+    funcs = functions(source) if isinstance(source, str) else source
+    owners = [f for f in funcs if f.owns(line)]
+    return owners[-1].qualname if owners else MODULE_LEVEL
+
+
+def changed_lines(pristine: str, mutated: str) -> list[int]:
+    """Return the 1-based lines of ``pristine`` that ``mutated`` replaced or deleted (or inserted after)."""
+    matcher = difflib.SequenceMatcher(a=pristine.splitlines(), b=mutated.splitlines(), autojunk=False)
+    lines: list[int] = []
+    for tag, i1, i2, _, _ in matcher.get_opcodes():
+        if tag in ("replace", "delete"):
+            lines.extend(range(i1 + 1, i2 + 1))
+        elif tag == "insert":
+            lines.append(max(i1, 1))
+    return lines
+
+
+def statement_line(source: str, line: int) -> int:
+    """Return the first line of the innermost statement holding ``line`` (coverage.py records that one)."""
+    best: tuple[int, int] | None = None
+    for start, end in _statement_spans(source):
+        if start <= line <= end and (best is None or start >= best[0] and end <= best[1]):
+            best = (start, end)
+    return best[0] if best is not None else line
+
+
+@functools.lru_cache(maxsize=16)
+def _statement_spans(source: str) -> tuple[tuple[int, int], ...]:
+    return tuple((n.lineno, n.end_lineno or n.lineno) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt))
+
+
+def changed_function(pristine: str, mutated: str) -> str:
+    """Return the function a mutation changed (diff -> first changed line -> enclosing function).
+
+    Raises ``ValueError`` when the texts are the same, or the change spans two functions.
+    """
+    lines = changed_lines(pristine, mutated)
+    if not lines:
+        raise ValueError("the mutated source is the pristine one")
+    funcs = functions(pristine)
+    owners = {function_at(funcs, line) for line in lines}
+    if len(owners) != 1:
+        raise ValueError(f"the mutation changes several functions: {sorted(owners)}")
+    return owners.pop()
+
+
+@dataclass
+class TestRecord:
+    """One test of the coverage run: its outcome and seconds (setup, call, teardown)."""
+
+    outcome: str
+    seconds: float
+
+
+@dataclass
+class CoverageMap:
+    """Per measured module, per function: the node ids of the tests that ran it."""
+
+    key: str
+    functions: dict[str, dict[str, list[str]]]
+    tests: dict[str, TestRecord]
+    # Seconds of the coverage run beyond its tests: what starting pytest once costs.
+    session_seconds: float = 0.0
+    request: dict[str, object] = field(default_factory=dict)
+    # Per measured module, the lines some test ran (coverage.py's statement lines); absent: unknown.
+    lines: dict[str, list[int]] = field(default_factory=dict)
+
+    def ran_line(self, module: str, source: str, line: int) -> bool:
+        """Whether some test ran the statement holding ``line`` (True when the map does not know)."""
+        if module not in self.lines:
+            return True
+        return statement_line(source, line) in set(self.lines[module])
+
+    def tests_for(self, module: str, qualname: str) -> list[str]:
+        """Return the green tests that ran ``module``'s ``qualname``, fastest first."""
+        ran = self.functions.get(module, {}).get(qualname, [])
+        green = [t for t in ran if t in self.tests and self.tests[t].outcome in GREEN]
+        return sorted(green, key=lambda t: (self.tests[t].seconds, t))
+
+    def seconds_for(self, tests: list[str]) -> float:
+        """Return what running ``tests`` once costs: pytest's start and every test's seconds."""
+        return self.session_seconds + sum(self.tests[t].seconds for t in tests if t in self.tests)
+
+    def red(self) -> list[str]:
+        """Return the tests that were not green in the coverage run (they judge no mutant)."""
+        return sorted(t for t, r in self.tests.items() if r.outcome not in GREEN | {"skipped"})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CoverageMap":
+        data = json.loads(text)
+        data["tests"] = {k: TestRecord(**v) for k, v in data["tests"].items()}
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class CoverageRequest:
+    """The tests the map is built from: pytest paths, ``-m`` and ``-k``."""
+
+    paths: tuple[str, ...]
+    marker: str = ""
+    select: str = ""
+
+    def pytest_args(self) -> list[str]:
+        args = list(self.paths)
+        if self.marker:
+            args += ["-m", self.marker]
+        if self.select:
+            args += ["-k", self.select]
+        return args
+
+
+def digest(parts: list[str | bytes]) -> str:
+    """Return a short digest of ``parts`` (in order)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def map_key(sources: dict[str, str], request: CoverageRequest, root: Path = REPO_ROOT) -> str:
+    """Return the key of a map: measured sources, the request, and every test and testbed source file
+    (but this tool's own: it does not change what the tests run)."""
+    parts: list[str | bytes] = [json.dumps(asdict(request), sort_keys=True)]
+    for module in sorted(sources):
+        parts += [module, sources[module]]
+    tool = root / "src/vllm_zerocopy_testbed/mutants"
+    for folder in ("tests", "src/vllm_zerocopy_testbed"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if tool not in path.parents:
+                parts += [str(path.relative_to(root)), path.read_bytes()]
+    return digest(parts)
+
+
+def functions_from_lines(module_source: str, contexts_by_line: dict[int, list[str]]) -> dict[str, list[str]]:
+    """Return, per function of a source, the sorted contexts (tests) that ran a line of its body."""
+    funcs = functions(module_source)
+    by_function: dict[str, set[str]] = {}
+    for line, contexts in contexts_by_line.items():
+        owner = function_at(funcs, line)
+        if owner == MODULE_LEVEL:
+            continue
+        by_function.setdefault(owner, set()).update(c for c in contexts if c)
+    return {name: sorted(tests) for name, tests in sorted(by_function.items()) if tests}
+
+
+def _write_harness(folder: Path, files: dict[str, Path]) -> Path:
+    """Write the coverage run's ``sitecustomize.py`` and rc file into ``folder``; return the rc file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".coverage*"):
+        stale.unlink()
+    (folder / "sitecustomize.py").write_text(
+        _SITECUSTOMIZE % {"context": CONTEXT_ENV, "current": CURRENT_TEST_ENV})
+    rc = folder / "coveragerc"
+    include = "\n    ".join(str(p.resolve()) for p in files.values())
+    rc.write_text(f"[run]\nparallel = True\ndata_file = {folder / '.coverage'}\ninclude =\n    {include}\n")
+    return rc
+
+
+def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: str) -> CoverageMap:
+    """Run ``request``'s tests under coverage in ``folder``; return the map of ``files`` (module -> path)."""
+    import coverage
+
+    rc = _write_harness(folder, files)
+    outcomes = folder / "outcomes.json"
+    current = folder / "current-test"
+    current.write_text("")
+    env = {k: v for k, v in process_env().items() if k not in _mode_envs()}
+    env.update({"COVERAGE_PROCESS_START": str(rc), CURRENT_TEST_ENV: str(current), OUTCOMES_ENV: str(outcomes),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH", "")) if p)})
+    env.pop(CONTEXT_ENV, None)
+    cmd = [sys.executable, "-m", "pytest", *request.pytest_args(), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "-p", "vllm_zerocopy_testbed.mutants.coverage_plugin"]
+    log.info("coverage run: %s", " ".join(cmd))
+    started = time.monotonic()
+    with open(folder / "pytest.log", "w") as out:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=COVERAGE_RUN_TIMEOUT_S, start_new_session=True)
+    wall = time.monotonic() - started
+    if proc.returncode not in (0, 1) or not outcomes.exists():
+        raise RuntimeError(f"the coverage run ended with pytest status {proc.returncode}: see {folder / 'pytest.log'}")
+    tests = {k: TestRecord(**v) for k, v in json.loads(outcomes.read_text()).items()}
+    cov = coverage.Coverage(config_file=str(rc))
+    cov.combine(data_paths=[str(folder)], keep=False)
+    data = cov.get_data()
+    measured = {str(Path(f).resolve()): f for f in data.measured_files()}
+    by_module: dict[str, dict[str, list[str]]] = {}
+    ran: dict[str, list[int]] = {}
+    for module, path in files.items():
+        name = measured.get(str(path.resolve()))
+        lines = data.contexts_by_lineno(name) if name else {}
+        by_module[module] = functions_from_lines(path.read_text(), lines)
+        ran[module] = sorted(line for line, contexts in lines.items() if any(contexts))
+    session = max(0.0, wall - sum(r.seconds for r in tests.values()))
+    return CoverageMap(key, by_module, tests, round(session, 1), asdict(request), ran)
+
+
+def load_or_build(files: dict[str, Path], request: CoverageRequest, cache: Path) -> tuple[CoverageMap, bool]:
+    """Return the cached map for these sources and tests (building it first if there is none), and whether it
+    was built now."""
+    key = map_key({m: p.read_text() for m, p in files.items()}, request)
+    path = cache / f"coverage-{key}.json"
+    if path.exists():
+        return CoverageMap.from_json(path.read_text()), False
+    cmap = build(files, request, cache / f"coverage-{key}", key)
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(cmap.to_json())
+    return cmap, True
+
+
+def _mode_envs() -> frozenset[str]:
+    from vllm_zerocopy_testbed.mutants.run import MODE_ENVS
+
+    return MODE_ENVS

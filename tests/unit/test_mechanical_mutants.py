@@ -1,0 +1,256 @@
+"""The mechanical mutants' judge: which function a mutation changed, which tests ran it, which operators apply."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_zerocopy_testbed.mutants import coverage_map as cm
+from vllm_zerocopy_testbed.mutants import mechanical, run
+
+pytestmark = pytest.mark.unit
+
+SOURCE = textwrap.dedent('''\
+    """A module."""
+    LIMIT = 4
+
+
+    class Ring:
+        size = 8
+
+        def acquire(self, n):
+            if n > LIMIT:
+                return None
+
+            def inner(x):
+                return x + 1
+
+            return inner(n)
+
+        @property
+        def free(self):
+            return self.size - 1
+
+
+    def top(a, b=LIMIT + 1):
+        return a * b
+    ''')
+
+
+def _mutate(old: str, new: str) -> str:
+    assert SOURCE.count(old) == 1
+    return SOURCE.replace(old, new)
+
+
+@pytest.mark.parametrize(("old", "new", "function"), [
+    ("if n > LIMIT:", "if n >= LIMIT:", "Ring.acquire"),
+    ("return None", "return 0", "Ring.acquire"),
+    ("return inner(n)", "return None", "Ring.acquire"),
+    ("return x + 1", "return x - 1", "Ring.acquire.inner"),
+    ("return self.size - 1", "return self.size + 1", "Ring.free"),
+    ("return a * b", "return a // b", "top"),
+    ("LIMIT = 4", "LIMIT = 5", cm.MODULE_LEVEL),
+    ("size = 8", "size = 9", cm.MODULE_LEVEL),
+    # Default values and decorators run with the enclosing scope, not the function.
+    ("b=LIMIT + 1", "b=LIMIT - 1", cm.MODULE_LEVEL),
+])
+def test_the_judge_maps_a_diff_to_the_function_it_changed(old: str, new: str, function: str) -> None:
+    assert cm.changed_function(SOURCE, _mutate(old, new)) == function
+
+
+def test_a_deleted_line_and_a_two_line_change_are_placed_too() -> None:
+    deleted = _mutate("        if n > LIMIT:\n            return None\n", "")
+    assert cm.changed_function(SOURCE, deleted) == "Ring.acquire"
+    assert cm.changed_lines(SOURCE, deleted) == [9, 10]
+
+
+def test_the_judge_refuses_no_change_and_a_change_across_functions() -> None:
+    with pytest.raises(ValueError, match="pristine"):
+        cm.changed_function(SOURCE, SOURCE)
+    both = _mutate("return self.size - 1", "return self.size + 1").replace("return a * b", "return a + b")
+    with pytest.raises(ValueError, match="several functions"):
+        cm.changed_function(SOURCE, both)
+
+
+def test_functions_own_their_body_lines_but_not_their_nested_functions() -> None:
+    funcs = {f.qualname: f for f in cm.functions(SOURCE)}
+    assert set(funcs) == {"Ring.acquire", "Ring.acquire.inner", "Ring.free", "top"}
+    acquire = funcs["Ring.acquire"]
+    assert acquire.owns(9) and acquire.owns(15) and not acquire.owns(13) and not acquire.owns(8)
+
+
+def test_coverage_lines_become_per_function_test_lists() -> None:
+    lines = {2: ["t::a", "t::b"], 8: ["t::a"], 9: ["t::a", ""], 13: ["t::b"], 19: ["t::c"], 23: ["t::a", "t::c"]}
+    assert cm.functions_from_lines(SOURCE, lines) == {
+        "Ring.acquire": ["t::a"], "Ring.acquire.inner": ["t::b"], "Ring.free": ["t::c"], "top": ["t::a", "t::c"]}
+
+
+def _map() -> cm.CoverageMap:
+    tests = {"t::slow": cm.TestRecord("passed", 9.0), "t::fast": cm.TestRecord("passed", 1.0),
+             "t::known": cm.TestRecord("xfailed", 2.0), "t::red": cm.TestRecord("failed", 3.0),
+             "t::skip": cm.TestRecord("skipped", 0.0)}
+    functions = {"m": {"f": ["t::slow", "t::fast", "t::known", "t::red", "t::skip", "t::gone"], "g": ["t::red"]}}
+    return cm.CoverageMap("k", functions, tests, session_seconds=5.0)
+
+
+def test_the_map_names_the_green_tests_of_a_function_fastest_first() -> None:
+    cmap = _map()
+    assert cmap.tests_for("m", "f") == ["t::fast", "t::known", "t::slow"]
+    assert cmap.tests_for("m", "g") == []  # only a red test ran it: uncovered, not judged by a red test
+    assert cmap.tests_for("m", "h") == [] and cmap.tests_for("other", "f") == []
+    assert cmap.seconds_for(cmap.tests_for("m", "f")) == 5.0 + 12.0
+    assert cmap.red() == ["t::red"]
+
+
+def test_the_map_round_trips_through_json() -> None:
+    cmap = _map()
+    assert cm.CoverageMap.from_json(cmap.to_json()) == cmap
+
+
+def test_the_map_key_follows_the_sources_and_the_request(tmp_path: Path) -> None:
+    for folder in ("tests", "src/vllm_zerocopy_testbed"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "tests" / "test_x.py").write_text("x = 1\n")
+    request = cm.CoverageRequest(("tests/test_x.py",), "", "upstream")
+    key = cm.map_key({"m": SOURCE}, request, tmp_path)
+    assert key == cm.map_key({"m": SOURCE}, request, tmp_path)
+    assert key != cm.map_key({"m": SOURCE + "#\n"}, request, tmp_path)
+    assert key != cm.map_key({"m": SOURCE}, cm.CoverageRequest(("tests/test_x.py",)), tmp_path)
+    (tmp_path / "tests" / "test_x.py").write_text("x = 2\n")
+    assert key != cm.map_key({"m": SOURCE}, request, tmp_path)
+
+
+def test_the_operator_set_is_the_meaningful_subset() -> None:
+    names = {n.split("/", 1)[1] for n in mechanical.operator_names()}
+    assert {"ReturnNone", "RemoveCall", "NumberReplacer", "AddNot", "ReplaceBreakWithContinue",
+            "ReplaceComparisonOperator_Lt_LtE", "ReplaceBinaryOperator_Add_Sub"} <= names
+    assert "ReplaceComparisonOperator_Lt_Is" not in names and "ReplaceBinaryOperator_Add_Pow" not in names
+    assert not {"VariableReplacer", "VariableInserter", "ExceptionReplacer", "RemoveDecorator"} & names
+
+
+@pytest.mark.parametrize(("operator", "old", "new"), [
+    ("ReturnNone", "return a * b", "return None"),
+    ("RemoveCall", "        g(1)\n", "        pass\n"),
+])
+def test_our_operators_change_what_they_say(operator: str, old: str, new: str) -> None:
+    from cosmic_ray.mutating import mutate_code
+
+    import cosmic_ray.plugins
+
+    source = SOURCE.replace("        return self.size - 1\n", "        g(1)\n        return self.size - 1\n")
+    mechanical._install_provider()
+    op = cosmic_ray.plugins.get_operator(f"testbed/{operator}")()
+    mutants = [m for m in (mutate_code(source, op, i) for i in range(20)) if m is not None]
+    assert any(m == source.replace(old, new, 1) for m in mutants), mutants[:2]
+    if operator == "ReturnNone":  # `return None` is left alone: no mutant that changes nothing
+        assert all(m != source for m in mutants) and len(mutants) == source.count("return ") - 1
+
+
+def test_a_detach_target_selects_the_detach_and_its_call_sites_only() -> None:
+    source = textwrap.dedent('''\
+        def detach(out):
+            def copy(a):
+                return a
+            return copy(out)
+
+        class Future:
+            def result(self):
+                detach(self.x)
+                return self.x
+
+        def other():
+            return 1
+        ''')
+    target = mechanical.Target("m", calling="detach")
+    assert [f for f in ("detach", "detach.copy", "Future.result", "other") if target.selects(source, f)] == [
+        "detach", "detach.copy", "Future.result"]
+
+
+def test_a_judged_mutant_is_killed_survives_or_is_uncovered(tmp_path: Path, monkeypatch) -> None:
+    """``judge_one`` applies the mutant in a scratch overlay and runs exactly the map's tests for its function."""
+    module = "vllm_zerocopy_testbed.mutants.coverage_map"  # any importable module serves as the target
+    pristine = Path(cm.__file__).read_text()
+    session = mechanical.Session(tmp_path, {module: pristine})
+    line = next(i for i, text in enumerate(pristine.splitlines(), 1) if "return owners[-1].qualname" in text)
+    occurrence = _occurrence_of(pristine, "testbed/ReturnNone", line)
+    planned = mechanical.Planned("job", module, "function_at", "testbed/ReturnNone", occurrence, line)
+    cmap = cm.CoverageMap("k", {module: {"function_at": ["t::a"]}}, {"t::a": cm.TestRecord("passed", 1.0)})
+    seen: list[tuple] = []
+
+    def fake_run(tests, select, workdir, pythonpath):
+        seen.append((tests, pythonpath))
+        (workdir / "loads.log").write_text(f"1 {module}\n")
+        return run.Outcome(1, 2.0, "t::a", "AssertionError")
+
+    verdict = mechanical.judge_one(planned, session, cmap, tmp_path / "scratch", run_tests=fake_run)
+    assert (verdict.fate, verdict.function, verdict.killed_by) == (mechanical.KILLED, "function_at", "t::a")
+    assert verdict.change == "return owners[-1].qualname if owners else MODULE_LEVEL -> return None"
+    assert seen == [(("t::a",), tmp_path / "scratch")]
+    assert "return None" in (tmp_path / "scratch" / (module.replace(".", "__") + ".py")).read_text()
+    assert pristine == Path(cm.__file__).read_text()  # never in place
+    uncovered = mechanical.judge_one(planned, session, cm.CoverageMap("k", {}, {}), tmp_path / "s2",
+                                     run_tests=fake_run)
+    assert uncovered.fate == mechanical.UNCOVERED and len(seen) == 1
+
+
+def _occurrence_of(source: str, operator: str, line: int) -> int:
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    mechanical._install_provider()
+    op = cosmic_ray.plugins.get_operator(operator)()
+    for occurrence in range(500):
+        mutated = mutate_code(source, op, occurrence)
+        assert mutated is not None, "no such mutation"
+        if cm.changed_lines(source, mutated) == [line]:
+            return occurrence
+    raise AssertionError("not found")
+
+
+def test_scores_count_per_function_and_leave_out_equivalents_and_errors() -> None:
+    def v(function: str, fate: str) -> mechanical.Verdict:
+        return mechanical.Verdict("j", "a.shm", function, "op", 1, "x -> y", fate)
+
+    found = [v("f", mechanical.KILLED), v("f", mechanical.KILLED), v("f", mechanical.SURVIVED),
+             v("f", mechanical.EQUIV), v("g", mechanical.ERROR), v("g", mechanical.UNCOVERED)]
+    table = mechanical.scores(found)
+    assert mechanical.score(table["a.shm"]["f"]) == pytest.approx(2 / 3)
+    assert mechanical.score(table["a.shm"]["g"]) == 0.0
+    md = mechanical.markdown({"summary": {}, "scores": table, "mutants": [
+        {**vars(x), "key": x.key} for x in found]})
+    assert "| shm | `f` | 2 | 1 | 0 | 1 | 0 | 67% |" in md and "`shm::f::x -> y`" in md
+
+
+def test_a_changed_line_maps_to_the_statement_coverage_records() -> None:
+    source = "def f(x):\n    g(\n        x + 1,\n    )\n    if (x and\n            x > 2):\n        return 1\n"
+    assert [cm.statement_line(source, n) for n in (2, 3, 4, 5, 6, 7)] == [2, 2, 2, 5, 5, 7]
+    cmap = cm.CoverageMap("k", {}, {}, lines={"m": [2, 5]})
+    assert cmap.ran_line("m", source, 3) and not cmap.ran_line("m", source, 7)
+    assert cmap.ran_line("other", source, 7)  # a map that does not know says yes: the tests decide
+
+
+def test_a_mutant_on_a_line_no_test_ran_is_uncovered_without_a_run(tmp_path: Path) -> None:
+    module = "vllm_zerocopy_testbed.mutants.coverage_map"
+    pristine = Path(cm.__file__).read_text()
+    line = next(i for i, text in enumerate(pristine.splitlines(), 1) if "return owners[-1].qualname" in text)
+    planned = mechanical.Planned("job", module, "function_at", "testbed/ReturnNone",
+                                 _occurrence_of(pristine, "testbed/ReturnNone", line), line)
+    cmap = cm.CoverageMap("k", {module: {"function_at": ["t::a"]}}, {"t::a": cm.TestRecord("passed", 1.0)},
+                          lines={module: [line - 1]})
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a mutant on a line no test ran is not run")
+
+    verdict = mechanical.judge_one(planned, mechanical.Session(tmp_path, {module: pristine}), cmap,
+                                   tmp_path / "scratch", run_tests=no_run)
+    assert verdict.fate == mechanical.UNCOVERED and "changed line" in verdict.message
+
+
+def test_equivalence_patterns_match_whole_keys_with_star_only() -> None:
+    table = {"shm::f::a[0 : n], -> *": "why", "shm::g::x -> y": "because"}
+    assert mechanical.equivalent_reason("shm::f::a[0 : n], -> a[1 : n],", table) == "why"
+    assert mechanical.equivalent_reason("shm::f::a[0 : m], -> a[1 : n],", table) == ""  # "[" is literal
+    assert mechanical.equivalent_reason("shm::g::x -> y", table) == "because"
+    assert mechanical.equivalent_reason("shm::g::x -> yz", table) == ""
