@@ -238,7 +238,9 @@ def test_requirements_missing_here_are_installed_beside_the_overlay_and_staged_f
 
 def test_code_that_cannot_serve_here_is_refused_before_any_cluster(tmp_path, monkeypatch) -> None:
     """A checkout whose C++ changed since the base release, and a CPU platform that needs triton-cpu
-    on x86: the component suites may run it, a server may not (one line, before anything starts)."""
+    on x86 with the testbed's CPU platform plugin turned off: the component suites may run it, a
+    server may not (one line, before anything starts). With the plugin (the default) the kernels
+    come from the testbed and the server may start."""
     import platform
 
     base = vllm_source.installed_version()
@@ -258,6 +260,8 @@ def test_code_that_cannot_serve_here_is_refused_before_any_cluster(tmp_path, mon
     (root / "vllm/platforms").mkdir()
     (root / "vllm/platforms/cpu.py").write_text('raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")\n')
     if platform.machine() == "x86_64":
+        assert vllm_source.for_server() is not None  # the plugin's torch kernels stand in for Triton's
+        monkeypatch.setenv("TESTBED_CPU_PLATFORM", "off")
         with pytest.raises(VllmSourceError, match="requires triton-cpu on x86"):
             vllm_source.for_server()
 

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import sys
 
+from vllm_zerocopy_testbed import kernels
 from vllm_zerocopy_testbed.config import TestbedConfig, ray_address
 from vllm_zerocopy_testbed.observe import heap
 from vllm_zerocopy_testbed.observe.log import testbed_logger
@@ -57,9 +58,20 @@ def register() -> None:
     # An injected fault is said where the modes are: a slow run never passes for a healthy one.
     fault = f" fault={slowdown.installed()}" if slowdown.installed() else ""
     fault += f" plant={plant.installed()}" if plant.installed() else ""
+    # Torch stand-ins for vLLM's Triton kernels (x86 CPUs without triton-cpu): said in every process's
+    # line, so no report can pass them off as vLLM's own kernels.
+    fault += f" kernels={_kernels_mode()}" if _kernels_mode() else ""
     # Which vLLM code runs here (an overlay's version@hash, VLLM=): a report can prove it.
     testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s vllm=%s", os.getpid(), role, modes, node, traced,
                           fault, running_line())
+
+
+def _kernels_mode() -> str:
+    """``torch-overrides`` where this process's vLLM runs the testbed's kernels, else ``""``."""
+    try:
+        return kernels.mode()
+    except Exception:  # a vLLM build whose CPU platform cannot be inspected here: none of ours run
+        return ""
 
 
 def _ray_node_ip() -> str:

@@ -132,7 +132,9 @@ def prepare(spec: Spec | str, cache: Path = CACHE) -> Overlay:
 
 
 # On x86 the CPU platform of 0.34.0 and later refuses to start without triton-cpu, which vLLM's
-# requirements/cpu.txt takes from GitHub releases: it is on no package registry.
+# requirements/cpu.txt takes from GitHub releases: it is on no package registry. The testbed's CPU
+# platform plugin passes that gate with torch stand-ins for the kernels (``kernels``); without the
+# plugin (TESTBED_CPU_PLATFORM=off) nothing can.
 _TRITON_CPU = (b"vllm/platforms/cpu.py", b"requires Triton (triton-cpu)")
 
 
@@ -141,14 +143,17 @@ def _e2e_blocker(files: dict[str, bytes]) -> str:
     import importlib.util
     import platform
 
+    from vllm_zerocopy_testbed.config import TestbedConfig
+
     rel, needle = _TRITON_CPU
     if needle in files.get(rel.decode(), b"") and platform.machine() in ("x86_64", "AMD64"):
         triton = importlib.util.find_spec("triton")
         has_cpu = triton is not None and triton.submodule_search_locations and any(
             (Path(p) / "backends" / "cpu").is_dir() for p in triton.submodule_search_locations)
-        if not has_cpu:
+        if not has_cpu and not TestbedConfig.from_env().cpu_platform:
             return ("no server: its CPU platform requires triton-cpu on x86 (vllm/platforms/cpu.py), which "
-                    "vLLM takes from GitHub releases, not from a package registry")
+                    "vLLM takes from GitHub releases, not from a package registry; the testbed's CPU platform "
+                    "plugin supplies the kernels (TESTBED_CPU_PLATFORM=on, the default)")
     return ""
 
 
