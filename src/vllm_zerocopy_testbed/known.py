@@ -134,6 +134,19 @@ COMPONENT: dict[str, Known] = {
                      "upstream": f"sampling masks held: upstream's detach copies logprobs and aux rows only, not "
                                  f"sampling_masks ({SAMPLING_MASKS})"},
         _HELD),
+    "single_consumer_dequeue": _known(
+        BROADCAST_ENV, {"upstream": "concurrent dequeue: acquire_read binds the reader's ring slot once, so one of two "
+                                    "threads of a reader stays on a slot the other read, then reads the other's slot: "
+                                    "messages lost or read twice, the writer blocked (upstream vLLM report 50398; its "
+                                    "lock, upstream PR 50423, closed unmerged)",
+                        "off": "concurrent dequeue: vLLM's dequeue is single-consumer per reader object, and only "
+                               "the testbed's mode serializes it (upstream vLLM report 50398)"},
+        r"two threads dequeuing from one MessageQueue got"),
+    "remote_port_bound_at_pick": _known(
+        BROADCAST_ENV, {"upstream": "port race: MessageQueue picks its remote port with get_open_port() and binds it "
+                                    "later, so another socket can take it in between and the start fails (upstream "
+                                    "vLLM report 50960, fixed from 0.28.0: bind :0, read LAST_ENDPOINT)"},
+        r"MessageQueue could not bind the remote port it picked.*Address already in use"),
 }
 
 

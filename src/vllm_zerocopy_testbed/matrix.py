@@ -38,7 +38,8 @@ DEFAULT_VERSIONS = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", 
 # 2-node compiled graph (PR 35736).
 OOB_TEST = "tests/component/test_message_queue.py::test_tensors_above_the_limit_travel_out_of_band"
 RACE_TEST = "tests/component/test_message_queue.py::test_mutating_after_enqueue_never_reaches_readers"
-SUITES = (OOB_TEST, RACE_TEST, "tests/component/test_ray_detach.py")
+SUITES = (OOB_TEST, RACE_TEST, "tests/component/test_ray_detach.py",
+          "tests/component/test_message_queue_reported.py")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -253,6 +254,53 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
         results.put((rank, report))
 
 
+# Key of a threaded reader's report: ``[(thread, message), ...]``, every message any of its threads got.
+THREAD_READS = "thread_reads"
+# Key of a threaded reader's report: what its threads raised, one line each.
+THREAD_ERRORS = "thread_errors"
+
+
+def _threaded_reader_main(handle: Any, rank: int, results: Any, timeout: float, threads: int,
+                          mode: PatchMode, environ: dict[str, str], delay: float = 0.0) -> None:
+    """A local reader whose ``threads`` threads all dequeue from one ``MessageQueue`` (the use upstream
+    vLLM report 50398 describes): each thread reads until a stop message or ``timeout`` s idle, then
+    the process reports everything its threads got. ``delay``: seconds each thread spends before
+    each read (a consumer's work; the writer fills the ring meanwhile). The mode is applied here,
+    as every vLLM process applies it (``plugins/general.py``): the testbed's serializes ``dequeue``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    broadcast.apply(mode)
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    reads: list[tuple[int, Any]] = []  # list.append holds the GIL: no message of ours is lost here
+    errors: list[str] = []
+
+    def consume(thread: int) -> None:
+        while True:
+            if delay:
+                time.sleep(delay)
+            try:
+                payload = mq.dequeue(timeout=timeout)
+            except TimeoutError:
+                return  # idle: the writer stopped, or this thread waits on a slot nobody writes
+            except Exception as exc:  # a torn read: the failure names it
+                errors.append(f"thread {thread}: {type(exc).__name__}: {exc}")
+                return
+            if isinstance(payload, str) and payload == _STOP:
+                return
+            reads.append((thread, payload))
+
+    workers = [threading.Thread(target=consume, args=(t,), name=f"testbed-mq-dequeue-{t}", daemon=True)
+               for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    results.put((rank, {THREAD_READS: reads, THREAD_ERRORS: errors}))
+
+
 class MessageQueueHarness:
     """One writer in this process and ``topology.readers`` reader processes."""
 
@@ -268,9 +316,15 @@ class MessageQueueHarness:
         keep: bool = False,
         touch: bool = False,
         delays: dict[int, float] | None = None,
+        reader_threads: int = 1,
     ) -> None:
         """``delays``: seconds reader ``rank`` spends before each read (a slow worker; the
-        writer does not wait for reports between ``send`` calls, so it runs ahead of it)."""
+        writer does not wait for reports between ``send`` calls, so it runs ahead of it).
+        ``reader_threads`` > 1: each local reader dequeues from that many threads and reports once,
+        at the end (``thread_reads``)."""
+        if reader_threads > 1 and topology.remote_readers:
+            raise ValueError("reader_threads shares one reader's ring cursor: local readers only")
+        self.reader_threads = reader_threads
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
@@ -309,10 +363,16 @@ class MessageQueueHarness:
         try:
             for rank in range(1, topo.readers + 1):
                 cpus = self.remote_reader_cpus if rank > topo.local_readers else None
+                target, args = _reader_main, (handle, rank, self._results[rank], self.timeout, self.wire_report,
+                                              self.ack_only, cpus, self.keep, self.touch, dict(os.environ),
+                                              self.delays.get(rank, 0.0))
+                if self.reader_threads > 1:
+                    target, args = _threaded_reader_main, (handle, rank, self._results[rank], self.timeout,
+                                                           self.reader_threads, self.mode, dict(os.environ),
+                                                           self.delays.get(rank, 0.0))
                 proc = self._ctx.Process(
-                    target=_reader_main,
-                    args=(handle, rank, self._results[rank], self.timeout, self.wire_report, self.ack_only, cpus,
-                          self.keep, self.touch, dict(os.environ), self.delays.get(rank, 0.0)),
+                    target=target,
+                    args=args,
                     name=f"testbed-mq-reader-{rank}",
                     daemon=True,
                 )
@@ -391,6 +451,16 @@ class MessageQueueHarness:
     def broadcast(self, payload: dict[str, Any]) -> dict[int, dict[str, ItemReport]]:
         self.send(payload)
         return self.collect()
+
+    def thread_reads(self) -> dict[int, dict[str, Any]]:
+        """Stop a ``reader_threads`` harness's threads (one stop message each, while the ring takes
+        them) and return each reader's report: ``{THREAD_READS: [(thread, message)], THREAD_ERRORS: [...]}``."""
+        for _ in range(self.reader_threads * self.topology.readers):
+            try:
+                self.writer.enqueue(_STOP, timeout=self.timeout)
+            except TimeoutError:
+                break  # the readers stopped reading: their threads end on their idle timeout
+        return self.collect(within=2 * self.timeout + 10)
 
     def recheck(self) -> dict[int, dict[str, ItemReport]]:
         """Return each ``keep`` reader's report, now, of every message it kept (``"<index>/<name>"``)."""

@@ -4,13 +4,16 @@
 ``OOB_MIN_BYTES`` leave the pickle stream as out-of-band frames. Readers get
 them from the shared-memory ring (copied out) or as ZMQ frames (aliased).
 
-Two properties are under test:
+Three properties are under test:
 
 * zero copy (upstream PR 48442): CPU tensors travel as out-of-band buffers
   instead of being serialised by ``torch.save`` into the stream;
 * no send race (upstream PR 53217, open): a buffer given to ZMQ with
   ``copy=False`` is sent later by ZMQ's I/O thread, so a caller that reuses its
   tensor after ``enqueue`` returned corrupts what remote readers receive.
+* one consumer per reader (upstream vLLM report 50398): two threads dequeuing from
+  one reader's queue read the same ring slot; ``testbed`` serializes ``dequeue`` per
+  queue object (``serialized_dequeue``).
 
 Our ``testbed`` policy keeps the zero copy and closes the race by waiting, before
 ``enqueue`` returns, until ZMQ released every out-of-band buffer: no extra copy
@@ -307,6 +310,34 @@ def make_enqueue(policy: EnqueuePolicy) -> Callable[..., None]:
 
 _installed_enqueue: Callable[..., None] | None = None
 _installed_ring_init: Callable[..., None] | None = None
+_installed_dequeue: Callable[..., Any] | None = None
+_DEQUEUE_LOCK = "_testbed_dequeue_lock"
+
+
+def serialized_dequeue(installed: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``MessageQueue.dequeue`` that lets one thread at a time read from a queue object.
+
+    A reader's ring cursor (``current_idx``) and its ZMQ sockets belong to the object, and
+    ``acquire_read`` binds the cursor's slot once before it waits: two threads of one reader both
+    read a slot, or one waits on a slot the other already read (upstream vLLM report 50398; its fix,
+    upstream PR 50423, the same per-object lock, was closed unmerged). Without contention the
+    cost is one uncontended lock; ``timeout`` bounds the wait for the lock and the read together.
+    """
+
+    def dequeue(self: Any, timeout: float | None = None, indefinite: bool = False) -> Any:
+        lock = self.__dict__.get(_DEQUEUE_LOCK) or self.__dict__.setdefault(_DEQUEUE_LOCK, threading.Lock())
+        started = time.monotonic()
+        if not lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise TimeoutError
+        try:
+            return installed(self, timeout=_left(timeout, started), indefinite=indefinite)
+        finally:
+            lock.release()
+
+    dequeue.testbed_mode = PatchMode.TESTBED  # type: ignore[attr-defined]
+    return dequeue
+
+
 SHM_DIR = "/dev/shm"
 
 
@@ -360,14 +391,19 @@ def _ring_init(installed: Callable[..., None]) -> Callable[..., None]:
 
 def apply(mode: PatchMode) -> None:
     """Make ``MessageQueue.enqueue`` behave as ``mode`` in this process; under ``testbed``, new
-    rings also reserve their pages (``reserve_ring``). Apply the arena's mode first (``arena.guard``)."""
-    global _installed_enqueue, _installed_ring_init
+    rings also reserve their pages (``reserve_ring``) and ``dequeue`` takes one thread at a time
+    (``serialized_dequeue``). Apply the arena's mode first (``arena.guard``)."""
+    global _installed_enqueue, _installed_ring_init, _installed_dequeue
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, ShmRingBuffer
 
     if _installed_enqueue is None:
         _installed_enqueue = MessageQueue.enqueue
     if _installed_ring_init is None:
         _installed_ring_init = ShmRingBuffer.__init__
+    if _installed_dequeue is None:
+        _installed_dequeue = MessageQueue.dequeue
+    MessageQueue.dequeue = (serialized_dequeue(_installed_dequeue) if mode is PatchMode.TESTBED  # type: ignore[method-assign]
+                            else _installed_dequeue)
     ShmRingBuffer.__init__ = (_ring_init(_installed_ring_init) if mode is PatchMode.TESTBED  # type: ignore[method-assign]
                               else _installed_ring_init)
     if mode is PatchMode.UPSTREAM:
