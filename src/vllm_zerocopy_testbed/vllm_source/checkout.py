@@ -21,7 +21,8 @@ def checkout_files(root: Path) -> dict[str, bytes]:
     return files
 
 
-def _git(root: Path, *args: str) -> str | None:
+def git(root: Path, *args: str) -> str | None:
+    """``git -C root args``'s output, or None where git is missing, fails or takes over a minute."""
     try:
         proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
@@ -34,10 +35,10 @@ def checkout_version(root: Path, files: dict[str, bytes], base: str) -> str:
     own = version_of(files)
     if own:
         return own
-    commit = _git(root, "rev-parse", "--short=10", "HEAD")
+    commit = git(root, "rev-parse", "--short=10", "HEAD")
     if commit is None:
         return f"{base}+checkout"
-    dirty = ".dirty" if _git(root, "status", "--porcelain", "--", "vllm") else ""
+    dirty = ".dirty" if git(root, "status", "--porcelain", "--", "vllm") else ""
     return f"{base}+g{commit}{dirty}"
 
 
@@ -46,7 +47,7 @@ def compiled_changes(root: Path, base: str) -> list[str] | None:
     present = [p for p in _BUILD_INPUTS if (root / p).exists()]
     if not present:
         return []  # a tree of Python files only (e.g. a release's sources): nothing compiled to carry
-    if _git(root, "rev-parse", "--verify", "--quiet", f"v{base}^{{commit}}") is None:
+    if git(root, "rev-parse", "--verify", "--quiet", f"v{base}^{{commit}}") is None:
         return None
-    committed = _git(root, "diff", "--name-only", f"v{base}", "--", *present) or ""
+    committed = git(root, "diff", "--name-only", f"v{base}", "--", *present) or ""
     return sorted({line for line in committed.splitlines() if line})

@@ -44,23 +44,28 @@ def release_wheel(release: str, cache: Path = CACHE) -> Path:
     raise VllmSourceError(f"VLLM={release}: no wheel of that release on the package index ({'; '.join(errors)})")
 
 
-def releases(first: str, last: str) -> list[str]:
-    """Return the final releases of ``vllm`` from ``first`` to ``last`` (both included), oldest first."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm"], capture_output=True, text=True,
+def index_releases(dist: str) -> list[Version]:
+    """Return ``dist``'s final releases on the package index, oldest first (one ``pip index`` call)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", dist], capture_output=True, text=True,
                           timeout=120)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("Available versions:")), "")
     if not line:
-        raise VllmSourceError(f"cannot list vllm's releases: {proc.stderr.strip()[-300:] or proc.stdout[-300:]}")
-    lo, hi = sorted((Version(first), Version(last)))
+        raise VllmSourceError(f"cannot list {dist}'s releases: {proc.stderr.strip()[-300:] or proc.stdout[-300:]}")
     found = []
     for word in line.partition(":")[2].split(","):
         try:
             v = Version(word.strip())
         except InvalidVersion:
             continue
-        if not v.is_prerelease and not v.is_postrelease and not v.is_devrelease and lo <= v <= hi:
+        if not (v.is_prerelease or v.is_postrelease or v.is_devrelease):
             found.append(v)
-    return [str(v) for v in sorted(found)]
+    return sorted(found)
+
+
+def releases(first: str, last: str) -> list[str]:
+    """Return the final releases of ``vllm`` from ``first`` to ``last`` (both included), oldest first."""
+    lo, hi = sorted((Version(first), Version(last)))
+    return [str(v) for v in index_releases("vllm") if lo <= v <= hi]
 
 
 def wheel_files(wheel: Path) -> dict[str, bytes]:
