@@ -36,7 +36,7 @@ RUN := $(RUN)
 E2E_ENV = TESTBED_E2E_EXECUTORS="$(EXECUTOR)" TESTBED_E2E_MODES="$(MODES)" TESTBED_REPORT_DIR=reports/$(RUN)
 E2E_PYTEST = $(E2E_ENV) $(VRUN) $(PYTHON) -m pytest --junitxml=reports/$(RUN)/junit.xml
 
-PHONY_TESTS := test test-core test-smoke e2e concurrent faults soak multihost bench bench-quick mutants upstream
+PHONY_TESTS := test test-core test-smoke e2e concurrent faults small-shm soak multihost bench bench-quick mutants upstream
 .PHONY: help setup bisect check $(PHONY_TESTS) test-unit test-component model clean docker base-image wheels image compose-config up down logs ps matrix gpu-smoke
 
 help: ## list the targets
@@ -101,7 +101,10 @@ SCHEDULED := $(if $(SCHEDULE)$(SCHEDULE_FILE),1)
 SCHEDULE_ENV = $(if $(SCHEDULED),TESTBED_SCHEDULE="$(SCHEDULE)" TESTBED_SEED="$(SEED)" TESTBED_SCHEDULE_FILE="$(SCHEDULE_FILE)" \
   TESTBED_DURATION="$(if $(filter command line environment,$(origin DURATION)),$(DURATION),10m)")
 faults: $(E2E_DEPS) ## tests/faults: bad input and 10 nemeses (kill/pause/disconnect/restart a node, stop one rank, fill /dev/shm, kill the GCS, mid-stream): bounds, recovery; TESTBED_CLUSTER=local too; SCHEDULE=random SEED=n DURATION=10m: a seeded fault schedule instead, SCHEDULE_FILE=<schedule.json> replays one (docs/faults.md)
-	$(SCHEDULE_ENV) $(E2E_PYTEST) $(if $(SCHEDULED),tests/faults/test_fault_schedule.py,tests/faults) -m faults $(PYTEST_ARGS)
+	$(SCHEDULE_ENV) $(E2E_PYTEST) $(if $(SCHEDULED),tests/faults/test_fault_schedule.py,tests/faults --ignore=tests/faults/test_small_shm.py) -m faults $(PYTEST_ARGS)
+
+small-shm: $(E2E_DEPS) ## clusters on a small /dev/shm (64 MiB, Docker's default, up to the smallest each mode's check accepts) and the arena on a 2 GiB one: a clear start-up error or bit-exact answers, never a crash (6 cluster starts, ~25 min; docs/faults.md)
+	$(E2E_PYTEST) tests/faults/test_small_shm.py -m faults $(PYTEST_ARGS)
 
 DURATION ?= 30m
 soak: $(E2E_DEPS) ## one cluster, a mixed stream: 5 min warm-up, then DURATION (30m) judged: bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget past the known (findings/) growth; reports/<run>/soak.{json,md,png}, junit.xml
