@@ -57,7 +57,7 @@ def murmur3_uniform32(seed: int, pos: int, offset: torch.Tensor) -> torch.Tensor
     random32 = murmur3_hash32(seed, pos, offset)
     hi16 = (random32 >> 16).to(torch.float32)
     lo16 = (random32 & 0xFFFF).to(torch.float32)
-    return hi16 * 1.52587890625e-05 + (lo16 + 0.5) * 2.3283064365386963e-10
+    return hi16 * 2.0**-16 + (lo16 + 0.5) * 2.0**-32
 
 
 def murmur3_uniform64(seed: int, pos: int, offset: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,8 @@ def murmur3_uniform64(seed: int, pos: int, offset: torch.Tensor) -> torch.Tensor
     lo = murmur3_hash32(seed, pos, offset)
     hi = murmur3_hash32(seed, pos, offset, domain=0x9E3779B9)
     random53 = (hi << 21) | (lo >> 11)  # ((hi << 32) | lo) >> 11, within int64
-    uniform = (random53.to(torch.float64) + 0.5) * 1.1102230246251565e-16
-    return torch.where(uniform == 1.0, uniform - 1.1102230246251565e-16, uniform)
+    uniform = (random53.to(torch.float64) + 0.5) * 2.0**-53
+    return torch.where(uniform == 1.0, uniform - 2.0**-53, uniform)
 
 
 def _log1p_neg_stable(value: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def _log1p_neg_stable(value: torch.Tensor) -> torch.Tensor:
         polynomial = 1.0 / k + value * polynomial
     polynomial = 1.0 + value * polynomial
     series = -value * polynomial
-    direct = torch.log(torch.clamp(1.0 - value, min=5.960464477539063e-08))
+    direct = torch.log(torch.clamp(1.0 - value, min=2.0**-24))
     return torch.where(value < 0.25, series, direct)
 
 
