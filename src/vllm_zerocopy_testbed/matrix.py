@@ -11,7 +11,8 @@ release lacks), and says whether upstream's code still has the 53217 race.
 With ``--e2e`` (``make matrix E2E=1``) each release also runs ``make e2e`` on the compose cluster
 (PP=2 x TP=2, RayExecutorV2, modes upstream and testbed; the node image gets the release's code):
 the structured-output race suite per mode and every other suite's outcome, or the measured reason
-the release cannot serve here (``vllm_source.for_server``: triton-cpu for 0.34.0 on x86).
+the release cannot serve here (``vllm_source.for_server``: a C++ change, or triton-cpu for
+0.34.0 on x86 with the testbed's CPU platform plugin turned off).
 Output: ``reports/matrix-<time>/{matrix.json,matrix.md}`` and the table on stdout.
 """
 
