@@ -43,3 +43,17 @@ class Loopback:
     def close(self) -> None:
         self.http.shutdown()
         self.http.server_close()
+
+
+class BlindCluster:
+    """Mixin for a unit test's fake ``Cluster``: no logs, no placement, no mode lines to show
+    (what the nemesis and schedule runners never read), so a fake names only what it fakes."""
+
+    def logs(self, service: str | None = None, tail: int | None = None) -> str:
+        return ""
+
+    def placement(self) -> list:
+        return []
+
+    def mode_lines(self) -> list[str]:
+        return []

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from loopback import Loopback
+from loopback import BlindCluster, Loopback
 
 from vllm_zerocopy_testbed import nemesis as nemeses
 from vllm_zerocopy_testbed.checker import faults
@@ -105,7 +105,7 @@ def test_the_health_watch_remembers_when_health_first_failed(server: Server) -> 
     assert health.polls >= 10
 
 
-class OneProcess(Cluster):
+class OneProcess(BlindCluster, Cluster):
     """A "cluster" of one real process (``sleep``) and the loopback server: what the nemesis
     schedule and recovery need, signals and HTTP for real."""
 
@@ -130,15 +130,6 @@ class OneProcess(Cluster):
 
     def is_running(self) -> bool:
         return self.proc.poll() is None
-
-    def logs(self, service: str | None = None, tail: int | None = None) -> str:
-        return ""
-
-    def placement(self) -> list:
-        return []
-
-    def mode_lines(self) -> list[str]:
-        return []
 
     def pause(self, node: str) -> None:
         self.proc.send_signal(signal.SIGSTOP)

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from loopback import Loopback
+from loopback import BlindCluster, Loopback
 
 from vllm_zerocopy_testbed import schedule as schedules
 from vllm_zerocopy_testbed.checker import bitexact
@@ -89,7 +89,7 @@ def test_a_written_schedule_replays_exactly(tmp_path) -> None:
         schedules.read(path)
 
 
-class Recording(Cluster):
+class Recording(BlindCluster, Cluster):
     """A cluster that records the nemesis operations called on it; ``kill`` raises on demand."""
 
     def __init__(self, fail_kill: bool = False) -> None:
@@ -106,15 +106,6 @@ class Recording(Cluster):
 
     def is_running(self) -> bool:
         return True
-
-    def logs(self, service: str | None = None, tail: int | None = None) -> str:
-        return ""
-
-    def placement(self) -> list:
-        return []
-
-    def mode_lines(self) -> list[str]:
-        return []
 
     def kill(self, node: str) -> None:
         self.calls.append(("kill", node))

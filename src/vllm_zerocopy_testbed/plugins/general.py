@@ -60,7 +60,8 @@ def register() -> None:
     fault += f" plant={plant.installed()}" if plant.installed() else ""
     # Torch stand-ins for vLLM's Triton kernels (x86 CPUs without triton-cpu): said in every process's
     # line, so no report can pass them off as vLLM's own kernels.
-    fault += f" kernels={_kernels_mode()}" if _kernels_mode() else ""
+    kernels_mode = _kernels_mode()
+    fault += f" kernels={kernels_mode}" if kernels_mode else ""
     # Which vLLM code runs here (an overlay's version@hash, VLLM=): a report can prove it.
     testbed_logger().info("testbed modes pid=%d role=%s %s%s%s%s vllm=%s", os.getpid(), role, modes, node, traced,
                           fault, running_line())
