@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
+from vllm_zerocopy_testbed.cluster.shm import SHM_DIR
+
 
 @pytest.fixture
 def pair():
@@ -18,3 +20,12 @@ def pair():
     sender.close(linger=0)
     receiver.close(linger=0)
     context.term()
+
+
+@pytest.fixture
+def shm_names():
+    """A list the test appends the /dev/shm names it makes to: whatever a failed test left is removed."""
+    made: list[str] = []
+    yield made
+    for name in made:
+        (SHM_DIR / name).unlink(missing_ok=True)

@@ -62,75 +62,67 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.wait(timeout=10)
 
 
-@pytest.fixture
-def names():
-    made: list[str] = []
-    yield made
-    for name in made:  # whatever a failed test left
-        (SHM_DIR / name).unlink(missing_ok=True)
-
-
-def test_each_run_removes_its_own_segments_and_nothing_else(names) -> None:
+def test_each_run_removes_its_own_segments_and_nothing_else(shm_names) -> None:
     a, b = ShmClaim.take(), ShmClaim.take()
-    names += [_name("a"), _name("b"), _name("other")]
-    procs = [_start(names[0], a.env, GRANDCHILD="1"), _start(names[1], b.env),
-             _start(names[2])]  # another run's, made after both claims, held by nobody of ours
+    shm_names += [_name("a"), _name("b"), _name("other")]
+    procs = [_start(shm_names[0], a.env, GRANDCHILD="1"), _start(shm_names[1], b.env),
+             _start(shm_names[2])]  # another run's, made after both claims, held by nobody of ours
     try:
-        assert names[0] in a.record() and names[1] in b.record()
-        assert a.seen == {names[0]} and b.seen == {names[1]}
+        assert shm_names[0] in a.record() and shm_names[1] in b.record()
+        assert a.seen == {shm_names[0]} and b.seen == {shm_names[1]}
     finally:
         for proc in procs:
             _kill(proc)
-    assert a.remove_new() == [names[0]]
-    assert not (SHM_DIR / names[0]).exists()
-    assert (SHM_DIR / names[1]).exists() and (SHM_DIR / names[2]).exists(), "run a removed another run's file"
-    assert b.remove_new() == [names[1]] and (SHM_DIR / names[2]).exists()
+    assert a.remove_new() == [shm_names[0]]
+    assert not (SHM_DIR / shm_names[0]).exists()
+    assert (SHM_DIR / shm_names[1]).exists() and (SHM_DIR / shm_names[2]).exists(), "run a removed another run's file"
+    assert b.remove_new() == [shm_names[1]] and (SHM_DIR / shm_names[2]).exists()
     assert not a.paths() and not b.paths()
 
 
-def test_the_watch_records_a_process_that_died_before_the_stop(names) -> None:
+def test_the_watch_records_a_process_that_died_before_the_stop(shm_names) -> None:
     claim = ShmClaim.take()
-    names.append(_name("crash"))
+    shm_names.append(_name("crash"))
     claim.watch(interval=0.1)
-    proc = _start(names[0], claim.env, EXIT_AFTER="1")
+    proc = _start(shm_names[0], claim.env, EXIT_AFTER="1")
     proc.wait(timeout=30)  # gone, its segment left behind
-    assert claim.paths() == [str(SHM_DIR / names[0])]
-    assert claim.remove_new() == [names[0]] and not (SHM_DIR / names[0]).exists()
+    assert claim.paths() == [str(SHM_DIR / shm_names[0])]
+    assert claim.remove_new() == [shm_names[0]] and not (SHM_DIR / shm_names[0]).exists()
 
 
-def test_what_was_there_before_the_claim_is_never_ours(names) -> None:
-    names.append(_name("before"))
-    proc = _start(names[0])
+def test_what_was_there_before_the_claim_is_never_ours(shm_names) -> None:
+    shm_names.append(_name("before"))
+    proc = _start(shm_names[0])
     try:
         claim = ShmClaim.take()
         assert not claim.record([proc.pid]), "an entry older than the claim was taken for ours"
     finally:
         _kill(proc)
-    assert claim.remove_new() == [] and (SHM_DIR / names[0]).exists()
+    assert claim.remove_new() == [] and (SHM_DIR / shm_names[0]).exists()
 
 
-def test_an_api_server_process_owns_its_temp_directory_and_segments(names, tmp_path) -> None:
+def test_an_api_server_process_owns_its_temp_directory_and_segments(shm_names, tmp_path) -> None:
     """``ApiServerProcess``: its processes get the token and a temp directory of their own (vLLM's
     ``vllm_dist_*`` file store goes there), both gone after ``stop``; another's file stays."""
     from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 
-    names += [_name("server"), _name("beside")]
+    shm_names += [_name("server"), _name("beside")]
     server = ApiServerProcess("test server", "testbed-test-server-")
     script = MAKER.replace("print(segment.name", "open(os.path.join(os.environ['TMPDIR'], 'vllm_dist_x'), 'w')\n"
                                                  "print(segment.name")
-    server.start([sys.executable, "-c", script, script], {**os.environ, "NAME": names[0]})
-    beside = _start(names[1])
+    server.start([sys.executable, "-c", script, script], {**os.environ, "NAME": shm_names[0]})
+    beside = _start(shm_names[1])
     try:
         assert server.tmp is not None
         store = Path(server.tmp, "vllm_dist_x")
         deadline = time.monotonic() + 30
-        while not (store.exists() and (SHM_DIR / names[0]).exists()):
+        while not (store.exists() and (SHM_DIR / shm_names[0]).exists()):
             assert time.monotonic() < deadline and server.running(), server.logs(20)
             time.sleep(0.02)
         server.stop()
     finally:
         _kill(beside)
-    assert not (SHM_DIR / names[0]).exists() and (SHM_DIR / names[1]).exists()
+    assert not (SHM_DIR / shm_names[0]).exists() and (SHM_DIR / shm_names[1]).exists()
     assert server.leftover() == []
     server.log.unlink(missing_ok=True)
 
@@ -145,7 +137,7 @@ time.sleep(60)
 """
 
 
-def test_a_channel_semaphore_named_after_one_of_our_processes_is_ours(names) -> None:
+def test_a_channel_semaphore_named_after_one_of_our_processes_is_ours(shm_names) -> None:
     """Ray's compiled-graph channels leave ``sem.hdr<pid>-<n>`` unmapped: ours when <pid> was ours."""
     claim = ShmClaim.take()
     tag = uuid.uuid4().hex[:8]
@@ -153,7 +145,7 @@ def test_a_channel_semaphore_named_after_one_of_our_processes_is_ours(names) -> 
                               env={**os.environ, **env}, start_new_session=True) for env in (claim.env, {})]
     try:
         paths = [Path(p.stdout.readline().strip()) for p in procs]  # type: ignore[union-attr]
-        names += [p.name for p in paths]
+        shm_names += [p.name for p in paths]
         assert not claim.record(), "nothing of ours is mapped"
     finally:
         for proc in procs:

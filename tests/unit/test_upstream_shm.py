@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,16 +70,8 @@ def _sem_names(pid: int) -> list[str]:
     return [f"sem.hdr{pid}-0", f"sem.obj{pid}-0"]
 
 
-@pytest.fixture
-def leftovers():
-    names: list[str] = []
-    yield names
-    for name in names:  # whatever a failed test left
-        (SHM_DIR / name).unlink(missing_ok=True)
-
-
 def test_a_repros_semaphores_are_removed_after_its_processes_are_killed_and_no_other(
-        tmp_path: Path, leftovers: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, shm_names: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "findings" / "stand-in"
     folder.mkdir(parents=True)
     (folder / "repro.py").write_text(REPRO)
@@ -99,7 +90,7 @@ def test_a_repros_semaphores_are_removed_after_its_processes_are_killed_and_no_o
         other_pid = int(other.stdout.readline())
         workers = [int(p) for p in (workdir / "made").read_text().split()]
         mine = [n for pid in workers for n in _sem_names(pid)]
-        leftovers += mine + [f"sem.hdr{other_pid}-0"]
+        shm_names += mine + [f"sem.hdr{other_pid}-0"]
         assert result.returncode == 1 and result.line.startswith("FAIL"), result
         assert (SHM_DIR / f"sem.hdr{other_pid}-0").exists(), "another process's semaphore was removed"
         assert [n for n in mine if (SHM_DIR / n).exists()] == [], "the repro's semaphores were left in /dev/shm"
