@@ -208,7 +208,7 @@ def test_the_report_is_red_only_on_broke_a_slower_speed_a_hang_or_an_error_and_s
     assert result.red and result.red_reasons[0].startswith("BROKE bit_exact (broadcast)")
     written = report.write(result, tmp_path)
     md = written[1].read_text()
-    assert "TESTBED_BROADCAST=upstream" in md and f"make test-core VLLM=/tmp/check-broke PYTEST_ARGS=" in md
+    assert "TESTBED_BROADCAST=upstream" in md and "make test-core VLLM=/tmp/check-broke PYTEST_ARGS=" in md
     assert nodeid in md and "findings/53217-oob-send-race" in md
     suite = ET.parse(written[2]).getroot()
     assert (suite.get("tests"), suite.get("failures")) == ("2", "1")

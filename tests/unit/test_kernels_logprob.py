@@ -93,7 +93,7 @@ def test_grammar_bitmask_matches_loop() -> None:
 
 def test_prompt_embeds_match_loop() -> None:
     gen = torch.Generator().manual_seed(5)
-    hidden, max_reqs = 6, 3
+    hidden = 6
     embeds = [torch.randn(5, hidden, generator=gen), torch.randn(2, hidden, generator=gen)]
     is_token = torch.tensor([0, 1, 0, 0, 1], dtype=torch.uint8)
     ptrs = torch.tensor([embeds[0].data_ptr(), embeds[1].data_ptr(), 0], dtype=torch.uint64)

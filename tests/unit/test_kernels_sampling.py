@@ -96,7 +96,7 @@ def _loop_gumbel(row: torch.Tensor, seed: int, pos: int, temp: float, use_fp64: 
 @pytest.mark.parametrize("use_fp64", [False, True])
 def test_gumbel_sample_matches_loop(use_fp64: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    num_tokens, vocab, max_reqs = 6, 2500, 4
+    num_tokens, vocab = 6, 2500
     logits = torch.randn(num_tokens, vocab, generator=gen) * 3
     idx = torch.tensor([0, 1, 2, 3, 1, 0], dtype=torch.int32)
     temp = torch.tensor([0.0, 0.7, 1.0, 1.3])

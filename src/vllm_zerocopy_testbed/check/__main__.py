@@ -16,7 +16,6 @@ import signal
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from vllm_zerocopy_testbed.check import compare, e2e, report, resolve, side, speed, suites
 from vllm_zerocopy_testbed.config import REPO_ROOT

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from vllm_zerocopy_testbed.check.compare import BROKE, FIXED, RED, STILL_FAILING, Row
 from vllm_zerocopy_testbed.check.side import MODE_ENVS, SideRun
-from vllm_zerocopy_testbed.check.speed import FASTER, FIX_COST, SLOWER, THRESHOLD, SpeedRun, _size
+from vllm_zerocopy_testbed.check.speed import FASTER, FIX_COST, SLOWER, THRESHOLD, SpeedRun
 
 MiB = 1 << 20
 

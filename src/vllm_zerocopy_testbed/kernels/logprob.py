@@ -77,4 +77,4 @@ def prompt_logprobs_token_ids(grid: Grid, prompt_logprobs_token_ids_ptr, query_s
         prompt_logprobs_token_ids_ptr[start:start + n] = row[first:first + n].to(prompt_logprobs_token_ids_ptr.dtype)
 
 
-OVERRIDES[f"vllm.v1.worker.gpu.sample.prompt_logprob._prompt_logprobs_token_ids_kernel"] = prompt_logprobs_token_ids
+OVERRIDES["vllm.v1.worker.gpu.sample.prompt_logprob._prompt_logprobs_token_ids_kernel"] = prompt_logprobs_token_ids
