@@ -12,6 +12,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from vllm_zerocopy_testbed.config import TestbedConfig
 from vllm_zerocopy_testbed.vllm_source.base import installed, installed_package
 from vllm_zerocopy_testbed.vllm_source.checkout import checkout_files, checkout_version, compiled_changes
 from vllm_zerocopy_testbed.vllm_source.files import CACHE, COMPILED, MANIFEST, lacking, version_of
@@ -142,8 +143,6 @@ def _e2e_blocker(files: dict[str, bytes]) -> str:
     """Why this code cannot start a server here, read from its files ("" when nothing is known)."""
     import importlib.util
     import platform
-
-    from vllm_zerocopy_testbed.config import TestbedConfig
 
     rel, needle = _TRITON_CPU
     if needle in files.get(rel.decode(), b"") and platform.machine() in ("x86_64", "AMD64"):
