@@ -130,10 +130,11 @@ upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs it
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.upstream $(if $(ONLY),--only $(ONLY)) $(if $(BENCH),--bench $(BENCH))
 
 # make check: BASE= defaults to the release the candidate derives from; CHECK_E2E=0 leaves the e2e tier out
-# (component suites and speed only); PARTS=suites,speed,e2e picks parts; CHECK_RUN=name names the report folder.
+# (component suites and speed only); PARTS=suites,speed,e2e picks parts; CHECK_RUN=name names the report folder;
+# FRESH_BASE=1 runs the base's suites and e2e again instead of taking an earlier check's (same base, same testbed).
 CHECK_E2E ?= 1
 check: $(STAMP) ## did my vLLM change break or fix anything, what did it cost: VLLM=<checkout | wheel | release> [BASE=<release | checkout>] [FULL=1: every e2e suite]: per property and path FIXED / BROKE / STILL-FAILING / SAME, speed candidate/base beside the noise, memory; reports/check-<run>/
-	$(PYTHON) -m vllm_zerocopy_testbed.check --vllm "$(VLLM)" --base "$(BASE)" $(if $(FULL),--full) $(if $(filter 0,$(CHECK_E2E)),--no-e2e) $(if $(PARTS),--parts $(PARTS)) $(if $(CHECK_RUN),--run $(CHECK_RUN))
+	$(PYTHON) -m vllm_zerocopy_testbed.check --vllm "$(VLLM)" --base "$(BASE)" $(if $(FULL),--full) $(if $(filter 0,$(CHECK_E2E)),--no-e2e) $(if $(PARTS),--parts $(PARTS)) $(if $(CHECK_RUN),--run $(CHECK_RUN)) $(if $(FRESH_BASE),--fresh-base)
 
 VERSIONS ?= 0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0
 matrix: $(STAMP) ## per vLLM release's code, overlaid (VERSIONS="0.26.0 ... 0.34.0"): paths present, the 53217 race, the tests that tell them apart per mode; E2E=1: make e2e per release too (V2, upstream and testbed)

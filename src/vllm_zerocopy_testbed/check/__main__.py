@@ -16,8 +16,9 @@ import signal
 import sys
 import time
 from dataclasses import asdict
+from typing import Callable
 
-from vllm_zerocopy_testbed.check import compare, e2e, report, resolve, side, speed, suites
+from vllm_zerocopy_testbed.check import cache, compare, e2e, report, resolve, side, speed, suites
 from vllm_zerocopy_testbed.config import REPO_ROOT
 
 PARTS = ("suites", "speed", "e2e")
@@ -50,6 +51,25 @@ def plan(candidate: resolve.Side, base: resolve.Side, parts: list[str]) -> tuple
     return notes, parts
 
 
+def _saved_base(s: resolve.Side, step: str, selection: list[str], fresh: bool, result: report.CheckResult,
+                say: Callable[[str], None]) -> side.SideRun | None:
+    """The base's outcomes of ``step`` from an earlier check under the same testbed, or None (run it)."""
+    if s.label != "base" or fresh:
+        return None
+    ran = cache.load(cache.key(s, step, selection))
+    if ran is not None:
+        note = (f"base {step}: the outcomes of an earlier check of the same base under the same testbed "
+                f"({ran.log}); FRESH_BASE=1 runs them again")
+        result.notes.append(note)
+        say(f"note: {note}")
+    return ran
+
+
+def _keep_base(s: resolve.Side, step: str, selection: list[str], ran: side.SideRun) -> None:
+    if s.label == "base":
+        cache.save(cache.key(s, step, selection), ran)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     parser.add_argument("--run", default="", help="report folder name under reports/ (default check-<time>-<pid>)")
     parser.add_argument("--side-bound", type=float, default=SIDE_BOUND_S, help="seconds one side's suites may take")
+    parser.add_argument("--fresh-base", action="store_true", help="run the base's suites and e2e again instead of "
+                        "taking them from the last check of the same base under the same testbed")
     args = parser.parse_args(argv)
     # timeout(1) or a CI job's cancel: end like Ctrl-C, so that every side's processes are ended
     signal.signal(signal.SIGTERM, _interrupt)
@@ -105,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         if "suites" in parts:
             tests = list(suites.COMPONENT_TESTS) + (list(suites.FULL_TESTS) if args.full else [])
             for s in (base, candidate):
-                say(f"{s.label}: component suites ({len(tests)} selections), every mode upstream, "
-                    f"bound {args.side_bound:.0f} s")
                 t0 = time.monotonic()
-                ran = side.run_side(s, tests, out, args.side_bound, say)
+                ran = _saved_base(s, "suites", tests, args.fresh_base, result, say)
+                if ran is None:
+                    say(f"{s.label}: component suites ({len(tests)} selections), every mode upstream, "
+                        f"bound {args.side_bound:.0f} s")
+                    ran = side.run_side(s, tests, out, args.side_bound, say)
+                    _keep_base(s, "suites", tests, ran)
                 result.sides[s.label] = ran
                 result.steps[f"{s.label} suites"] = round(time.monotonic() - t0, 1)
                 counts = {o: sum(1 for t in ran.outcomes if t.outcome == o) for o in
@@ -131,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                 result.errors.append(f"speed: {result.speed.error}")
         if "e2e" in parts:
             e2e_runs = {}
+            step = f"e2e-{e2e.step(args.full).target}"
             for s in (base, candidate):
-                say(f"{s.label}: e2e ({e2e.step(args.full).target}, compose cluster, V2, modes upstream)")
                 t0 = time.monotonic()
-                ran = e2e.run_side(s, run, out, args.full, say)
+                ran = _saved_base(s, step, [], args.fresh_base, result, say)
+                if ran is None:
+                    say(f"{s.label}: e2e ({e2e.step(args.full).target}, compose cluster, V2, modes upstream)")
+                    ran = e2e.run_side(s, run, out, args.full, say)
+                    _keep_base(s, step, [], ran)
                 e2e_runs[s.label] = ran
                 result.sides[f"e2e-{s.label}"] = ran
                 result.steps[f"{s.label} e2e"] = round(time.monotonic() - t0, 1)
