@@ -4,17 +4,23 @@ One row per suite, one column per profile (executor/modes); a cell says the
 worst outcome of the suite's tests there, how many requests it sent, and their
 p50/p95 latency. Known failures follow, one line per finding and profile with the
 tests it covers: a finding fails every test that reaches its path.
+
+``python -m vllm_zerocopy_testbed.report recheck reports/<run>`` judges a finished run again from
+the evidence it saved (``checker/evidence.py``): exit 0 when every verdict is the same, 1 when one
+differs (or its inputs could not be saved), 2 when there is nothing to judge.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from vllm_zerocopy_testbed.checker import Verdict
+from vllm_zerocopy_testbed.checker import Verdict, evidence
 from vllm_zerocopy_testbed.vllm_source import running, vllm_line
 from vllm_zerocopy_testbed.checker.latency import summary
 from vllm_zerocopy_testbed.known import finding_of
@@ -208,3 +214,32 @@ def write_faults(run_dir: Path, rows: list[dict[str, Any]]) -> list[Path]:
     text.write_text(f"# Nemeses (make faults)\n\nvLLM under test: {vllm_line(running())}\n\n"
                     "Times are seconds after the fault.\n\n" + faults_table(rows) + "\n")
     return [data, text]
+
+
+def recheck(run_dir: Path) -> int:
+    """Print one line per test of a run judged again from its evidence, and a summary; return the exit
+    status: 0 every verdict the same, 1 one differs or was not saved, 2 nothing to judge (one line on
+    stderr why)."""
+    try:
+        results = evidence.recheck(run_dir)
+    except (evidence.EvidenceError, evidence.UnknownChecker) as exc:
+        print(f"recheck: {exc}", file=sys.stderr)
+        return 2
+    for line in evidence.lines(results):
+        print(line)
+    return 0 if all(t.same for t in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_zerocopy_testbed.report recheck reports/<run>``: the run's verdicts judged again."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_zerocopy_testbed.report",
+                                     description="the e2e run report's offline commands")
+    commands = parser.add_subparsers(dest="command", required=True)
+    again = commands.add_parser("recheck", help="judge a finished run again from the evidence it saved")
+    again.add_argument("run", type=Path, help="the run's report folder, reports/<run>")
+    args = parser.parse_args(argv)
+    return recheck(args.run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

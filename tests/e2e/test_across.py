@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import bitexact
-from live.suite import HISTORY, PROFILES
+from live.suite import HISTORY, PROFILES, bitexact
 
 pytestmark = [pytest.mark.e2e, pytest.mark.suite("across"), pytest.mark.timeout(60)]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.checker.transport import sends
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend
@@ -38,7 +38,7 @@ from vllm_zerocopy_testbed.model import ARENA_SPEC
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, History, Record
 from vllm_zerocopy_testbed.workload.runner import Runner
-from live.suite import PROFILES, REQUEST_TIMEOUT_S, SETTINGS
+from live.suite import EVIDENCE, PROFILES, REQUEST_TIMEOUT_S, SETTINGS, bitexact, timeouts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.suite("arena"), pytest.mark.timeout(1800),
               pytest.mark.needs_vllm("tensor arena")]
@@ -110,6 +110,7 @@ def arena_runs() -> dict[str, ServerRun]:
 
 
 def _judge(*verdicts: Verdict) -> None:
+    EVIDENCE.given(verdicts)
     failed = [v for v in verdicts if not v.ok]
     if failed:
         pytest.fail("\n".join(str(v) for v in failed), pytrace=False)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts, transport
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.config import Executor
-from live.suite import MODEL_SPEC, SIZES, LiveCluster, Reference, judge, match_reference, within_budget
+from live.suite import (MODEL_SPEC, SIZES, LiveCluster, Reference, bitexact, judge, match_reference, timeouts,
+                        transport, within_budget)
 from vllm_zerocopy_testbed.workload.catalog import embeds_batch_specs, embeds_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 

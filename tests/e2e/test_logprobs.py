@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.config import Executor
 from vllm_zerocopy_testbed.known import E2E
-from live.suite import MODES_CHOSEN, PROFILES, LiveCluster, Reference, judge, match_reference, within_budget
+from live.suite import (MODES_CHOSEN, PROFILES, LiveCluster, Reference, bitexact, judge, match_reference, timeouts,
+                        within_budget)
 from vllm_zerocopy_testbed.workload.catalog import (LOGPROBS_KS, concurrent_count, concurrent_specs, logprobs_specs,
                                                     prompt_logprobs_specs, stream_specs)
 from vllm_zerocopy_testbed.workload.requests import Record

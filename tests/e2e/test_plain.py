@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import bitexact, timeouts
-from live.suite import MODEL_SPEC, SIZES, LiveCluster, Reference, judge
+from live.suite import MODEL_SPEC, SIZES, LiveCluster, Reference, bitexact, judge, timeouts
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 

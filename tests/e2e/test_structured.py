@@ -36,13 +36,13 @@ from typing import Iterator
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeline, timeouts
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
 from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
 from vllm_zerocopy_testbed.known import SEND_RACE
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
-                       STRUCTURED_UNMET, LiveCluster, Reference, judge)
+                       STRUCTURED_UNMET, LiveCluster, Reference, bitexact, judge, timeline, timeouts)
 from vllm_zerocopy_testbed.workload.catalog import STRUCTURED_CLUSTER, structured_specs
 from vllm_zerocopy_testbed.workload.requests import Record
 from vllm_zerocopy_testbed.workload.runner import Runner

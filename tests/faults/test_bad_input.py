@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import bitexact, timeouts
-from live.suite import MODEL_SPEC, REPORT, REQUEST_TIMEOUT_S, SETTINGS, SIZES, LiveCluster, judge
+from live.suite import MODEL_SPEC, REPORT, REQUEST_TIMEOUT_S, SETTINGS, SIZES, LiveCluster, bitexact, judge, timeouts
 from vllm_zerocopy_testbed.workload import bad_input
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import Record

@@ -20,8 +20,6 @@ import pytest
 
 from vllm_zerocopy_testbed import nemesis as nemeses
 from vllm_zerocopy_testbed import schedule as schedules
-from vllm_zerocopy_testbed.checker import schedule as checks
-from vllm_zerocopy_testbed.checker import timeouts
 from vllm_zerocopy_testbed.checker.faults import ended_at
 from vllm_zerocopy_testbed.cluster.interface import Unsupported
 from vllm_zerocopy_testbed.cluster.local_vllm import LocalVllmCluster
@@ -34,7 +32,7 @@ from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, Reco
 from vllm_zerocopy_testbed.workload.runner import Runner
 from vllm_zerocopy_testbed.workload.stream import HealthWatch, Stream
 from live.suite import (FAULTS, HISTORY, PROFILES, REQUEST_TIMEOUT_S, RUN_DIR, SIZES, LiveCluster, Reference, judge,
-                        match_reference)
+                        match_reference, schedule as checks, timeouts)
 
 WANTED = os.environ.get(schedules.SCHEDULE_ENV, "").strip() == "random" or bool(
     os.environ.get(schedules.SCHEDULE_FILE_ENV, "").strip())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_zerocopy_testbed import nemesis as nemeses
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, faults, timeline, timeouts
+from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.cluster.recovery import answers, recover
 from vllm_zerocopy_testbed.report import fault_row
 from vllm_zerocopy_testbed.config import ClusterSettings
@@ -20,7 +20,8 @@ from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds
 from vllm_zerocopy_testbed.workload.runner import Runner
 from vllm_zerocopy_testbed.workload.stream import HealthWatch, Stream
-from live.suite import FAULTS, HISTORY, PROFILES, REQUEST_TIMEOUT_S, SIZES, LiveCluster, judge
+from live.suite import (FAULTS, HISTORY, PROFILES, REQUEST_TIMEOUT_S, SIZES, LiveCluster, bitexact, faults, judge,
+                        timeline, timeouts)
 
 pytestmark = [pytest.mark.faults, pytest.mark.suite("nemesis"), pytest.mark.timeout(1500)]
 

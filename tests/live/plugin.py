@@ -20,7 +20,6 @@ from typing import Iterator
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import timeouts
 from vllm_zerocopy_testbed.checker.bitexact import first_answers
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
@@ -28,9 +27,9 @@ from vllm_zerocopy_testbed.config import REPO_ROOT, Profile, warm_channel_timeou
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults
-from live.suite import (FAULTS, HISTORY, MODEL_SPEC, MODES_CHOSEN, PROFILES, REPORT,
+from live.suite import (EVIDENCE, FAULTS, HISTORY, MODEL_SPEC, MODES_CHOSEN, PROFILES, REPORT,
                        REQUEST_TIMEOUT_S, RUN_DIR, SETTINGS, SIZES, STARTED_BY_RUN, STRUCTURED_UNMET,
-                       LiveCluster, Reference)
+                       LiveCluster, Reference, timeouts)
 from vllm_zerocopy_testbed.workload.catalog import reference_specs
 from vllm_zerocopy_testbed.workload.runner import Runner
 
@@ -185,6 +184,14 @@ def cluster(profile: Profile, reference: Reference) -> Iterator[LiveCluster]:
 
 
 # -- report -----------------------------------------------------------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """What a test's checkers judge, its fixtures' included, is saved as that test's evidence."""
+    EVIDENCE.start(item.nodeid)
+    yield
+    EVIDENCE.start(None)
+
+
 def _outcome(report: pytest.TestReport) -> str:
     if hasattr(report, "wasxfail"):
         return "xfailed" if report.skipped else "xpassed"

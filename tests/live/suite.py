@@ -4,6 +4,11 @@ live cluster, the judge.
 pytest glue, kept out of the library (``src/`` neither imports pytest nor holds run state):
 fixtures and hooks live in ``live/plugin.py``; this module holds the run-wide objects they hand
 to tests, so that test modules import them from one place (``from live.suite import ...``).
+
+The checker modules tests use come from here too (``from live.suite import bitexact, timeouts``):
+the same modules, whose checkers also save each call, its inputs and its verdict, into the run's
+folder (``checker/evidence.py``), and ``judge`` saves what it is given, so that
+``python -m vllm_zerocopy_testbed.report recheck reports/<run>`` judges the run again offline.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_zerocopy_testbed.checker import Verdict, bitexact, latency
+from vllm_zerocopy_testbed.checker import Verdict, evidence
+from vllm_zerocopy_testbed.checker import bitexact as _bitexact, faults as _faults, latency as _latency
+from vllm_zerocopy_testbed.checker import schedule as _schedule, timeline as _timeline, timeouts as _timeouts
+from vllm_zerocopy_testbed.checker import transport as _transport
 from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, cluster_backend, e2e_profiles
 from vllm_zerocopy_testbed.known import death_evidence
@@ -40,6 +48,11 @@ MODEL_SPEC = spec_for(SETTINGS["TESTBED_MODEL"])
 STRUCTURED_UNMET = structured_unmet(SETTINGS.values) if cluster_backend() == "compose" else ["not a compose cluster"]
 
 HISTORY = History()
+# Every checker call and judged verdict of the run, saved under RUN_DIR/evidence (live/plugin.py
+# names the test each belongs to).
+EVIDENCE = evidence.Recorder(RUN_DIR)
+bitexact, faults, latency, schedule, timeline, timeouts, transport = (
+    EVIDENCE.module(m) for m in (_bitexact, _faults, _latency, _schedule, _timeline, _timeouts, _transport))
 REPORT = RunReport(profiles=[str(p) for p in PROFILES])
 # Profiles whose cluster this run brought up (a `make up` cluster is used and left as found).
 STARTED_BY_RUN: set[str] = set()
@@ -128,6 +141,7 @@ def within_budget(cluster: LiveCluster, records: list[Record]) -> Verdict:
 
 def judge(cluster: LiveCluster, *verdicts: Verdict) -> None:
     """Fail with every failed verdict's problems, and the server's evidence when requests failed."""
+    EVIDENCE.given(verdicts)
     failed = [v for v in verdicts if not v.ok]
     if failed:
         text = "\n".join(str(v) for v in failed)
