@@ -216,6 +216,8 @@ DEVICE_PROFILES = ("cpu", "gpu")
 # holds takes the next free instance by itself (cluster/compose.py: claim) unless TESTBED_INSTANCE names one.
 INSTANCE_ENV = "TESTBED_INSTANCE"
 MAX_INSTANCES = 10
+WORKERS_ENV = "TESTBED_WORKERS"
+PP_ENV = "TESTBED_PP"
 
 
 @dataclass(frozen=True)
@@ -239,9 +241,13 @@ class ClusterSettings:
         merged = {key: env.get(key, default) for key, default in defaults.items()}
         merged.update({k: v for k, v in env.items() if k.startswith("TESTBED_")})
         merged[DEVICE_PROFILE_ENV] = profile
+        # TESTBED_WORKERS named without TESTBED_PP: one PP stage per node (docs/multihost.md, "More nodes").
+        if WORKERS_ENV in env and PP_ENV not in env and merged[WORKERS_ENV].strip().isdigit():
+            merged[PP_ENV] = str(1 + int(merged[WORKERS_ENV]))
         settings = cls(merged)
         # Fail at start, not in a container, on a bad mode or executor.
         TestbedConfig.from_env(merged)
+        settings.workers
         settings.executor
         settings.node_env
         settings.instance_values
@@ -263,6 +269,14 @@ class ClusterSettings:
     @property
     def executor(self) -> Executor:
         return Executor.parse(self.values.get(EXECUTOR_ENV, Executor.V2.value))
+
+    @property
+    def workers(self) -> int:
+        """How many worker nodes beside the head (``TESTBED_WORKERS``; compose scales its worker service to it)."""
+        raw = self.values.get(WORKERS_ENV, "1").strip()
+        if not raw.isdigit():
+            raise ConfigError(f"{WORKERS_ENV}={raw!r} is invalid; use a number of worker nodes (0: the head alone)")
+        return int(raw)
 
     def __getitem__(self, key: str) -> str:
         return self.values[key]

@@ -8,6 +8,7 @@ import pytest
 from openai import OpenAI, OpenAIError
 
 from vllm_zerocopy_testbed import vllm_source
+from vllm_zerocopy_testbed.cluster.placement import Topology
 from vllm_zerocopy_testbed.model import build, model_dir
 from vllm_zerocopy_testbed.node import warmup
 from live.suite import MODEL_SPEC, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S
@@ -58,18 +59,18 @@ def test_logprobs_and_prompt_embeds_answer_the_same(cluster) -> None:
 
 
 def test_each_stage_runs_on_its_own_node(cluster) -> None:
-    """TP ranks share a node (shm all-reduce); PP stages cross nodes (the transport under test)."""
-    tp, pp = int(cluster.settings["TESTBED_TP"]), int(cluster.settings["TESTBED_PP"])
-    if cluster.settings.device_profile == "gpu" or int(cluster.settings["TESTBED_WORKERS"]) == 0:
+    """TP ranks share a node (shm all-reduce); PP stages cross nodes (the transport under test): the
+    ranks per node are those ``Topology`` derives from PP, TP and the node count."""
+    if cluster.settings.device_profile == "gpu" or cluster.settings.workers == 0:
         pytest.skip("ranks are logged by the testbed's CPU communicator, and one node has nothing to cross")
     blind = cluster.backend.blind_to("placement")
     if blind:
         pytest.skip(blind)
+    topology = Topology.from_settings(cluster.settings.values)
     placement = cluster.backend.placement()
-    assert len(placement) == tp * pp, placement
-    nodes = {stage: {p.node for p in placement if p.pp_rank == stage} for stage in range(pp)}
+    assert not topology.mismatches(placement), (topology.mismatches(placement), placement)
+    nodes = {stage: {p.node for p in placement if p.pp_rank == stage} for stage in range(topology.pp)}
     assert all(len(n) == 1 for n in nodes.values()), f"a stage spans nodes: {nodes}"
-    assert len({next(iter(n)) for n in nodes.values()}) == pp, f"stages share a node: {nodes}"
 
 
 def test_every_process_runs_the_profile_modes(cluster) -> None:

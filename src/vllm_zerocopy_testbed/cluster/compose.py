@@ -17,13 +17,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from vllm_zerocopy_testbed.cluster import locks
-from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
-from vllm_zerocopy_testbed.cluster.placement import RankPlacement, describe, parse_mode_lines, parse_placement
+from vllm_zerocopy_testbed.cluster.interface import WORKER, Cluster, ClusterStartError, node_name, parse_node
+from vllm_zerocopy_testbed.cluster.placement import (RankPlacement, Topology, describe, parse_mode_lines,
+                                                     parse_placement)
 from vllm_zerocopy_testbed.config import (INSTANCE_ENV, LOCAL_BASE_IMAGE, MAX_INSTANCES, REPO_ROOT, ClusterSettings,
-                                          process_env)
+                                          ConfigError, process_env)
 from vllm_zerocopy_testbed.config import base_image as config_base_image
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
@@ -32,6 +33,25 @@ logger = logging.getLogger(__name__)
 
 NETWORK = "testbed"
 SHM_FILL = "/dev/shm/testbed-fill"  # fill_shm's file, in the container's own /dev/shm
+SERVICE_LABEL = "com.docker.compose.service"
+NUMBER_LABEL = "com.docker.compose.container-number"  # a service's replica: 1, 2, ... (`up --scale`)
+
+
+def node_of(info: Mapping[str, Any]) -> str:
+    """The node name (``interface.node_names``) of one ``docker inspect`` entry of our project: the
+    head, ``worker`` for the worker service's first replica (``<project>-worker-1``), ``worker-n`` for its n-th."""
+    labels = info["Config"]["Labels"] or {}
+    number = labels.get(NUMBER_LABEL, "1")
+    return node_name(labels.get(SERVICE_LABEL, info["Name"].lstrip("/")), int(number) if number.isdigit() else 1)
+
+
+def find_node(infos: list[dict], node: str) -> dict:
+    """The ``docker inspect`` entry of ``node`` (``worker-1`` is ``worker``) in ``infos``; else ``LookupError``."""
+    wanted = node_name(*parse_node(node))
+    for info in infos:
+        if node_of(info) == wanted:
+            return info
+    raise LookupError(f"no container for node {node!r} (there: {', '.join(sorted(map(node_of, infos))) or 'none'})")
 
 
 class ProjectBusy(ClusterStartError):
@@ -121,13 +141,27 @@ class ComposeCluster(Cluster):
         self._script("scripts/build-image.sh", self.settings.image, self.base_image, self.settings.vllm_dist,
                      timeout=2400)
 
+    def topology(self) -> Topology:
+        """The PP x TP ranks over the head and ``TESTBED_WORKERS`` workers, or ``ClusterStartError`` with
+        the one line that says why vLLM cannot serve them there (before anything is built or started)."""
+        try:
+            topology = Topology.from_settings(self.settings.values)
+        except ConfigError as exc:
+            raise ClusterStartError(str(exc)) from None
+        problem = topology.problem()
+        if problem:
+            raise ClusterStartError(problem)
+        return topology
+
     def up(self) -> float:
         """Bring the cluster up and wait until healthy (bounded); return the seconds it took."""
+        self.topology()
         self.claim()
         self.prepare()
         start = time.monotonic()
         self._remove_stopped_leftovers()
-        proc = self.compose("up", "-d", timeout=300, check=False)
+        # One worker service, TESTBED_WORKERS replicas: <project>-worker-1, -2, ... (nodes worker, worker-2, ...)
+        proc = self.compose("up", "-d", "--scale", f"{WORKER}={self.settings.workers}", timeout=300, check=False)
         if proc.returncode != 0:
             raise ClusterStartError(f"compose up failed: {proc.stderr[-1500:]}\n(`make down` removes what it made)")
         # Our own wait, not compose's --wait (it has returned 0 while the head was still starting
@@ -158,7 +192,8 @@ class ComposeCluster(Cluster):
         return time.monotonic() - start
 
     def _start_progress(self) -> str:
-        """What each node is at while the cluster starts (``head running/starting, worker running/healthy``)."""
+        """What each node is at while the cluster starts (``head running/starting, worker running/healthy,
+        worker-2 running/healthy``)."""
         try:
             infos = self._inspect()
         except (RuntimeError, TimeoutError):
@@ -167,8 +202,7 @@ class ComposeCluster(Cluster):
         for info in infos:
             state = info["State"]
             health = (state.get("Health") or {}).get("Status", "")
-            service = info["Config"]["Labels"].get("com.docker.compose.service", info["Name"].lstrip("/"))
-            parts.append(f"{service} {state['Status']}" + (f"/{health}" if health else ""))
+            parts.append(f"{node_of(info)} {state['Status']}" + (f"/{health}" if health else ""))
         # ... and what the head last said (Ray nodes, the engine, the warm-up), not its /health answers
         lines = [l for l in self.logs("head", tail=40).splitlines() if l.strip() and "/health" not in l]
         # its message: past the compose prefix and vLLM's "[file.py:N] " tag, at most 100 characters
@@ -198,7 +232,10 @@ class ComposeCluster(Cluster):
         claims the project first)."""
         if not self.is_running():
             return False
-        heads = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == "head"]
+        infos = self._inspect()
+        heads = [i for i in infos if i["Config"]["Labels"].get(SERVICE_LABEL) == "head"]
+        if sum(1 for i in infos if i["Config"]["Labels"].get(SERVICE_LABEL) == WORKER) != self.settings.workers:
+            return False
         env = dict(e.partition("=")[::2] for e in heads[0]["Config"]["Env"]) if heads else {}
         # Started from an image with the vLLM code this run names (VLLM=: the overlay's hash)?
         try:
@@ -208,9 +245,9 @@ class ComposeCluster(Cluster):
         code = heads[0]["Config"]["Labels"].get("testbed.vllm", "") if heads else None
         return code == (overlay.hash if overlay else "") and all(env.get(k) == v for k, v in settings.items())
 
-    def _inspect(self) -> list[dict]:
-        """Return ``docker inspect`` of every container of our project (running or not)."""
-        ids = self.compose("ps", "-q", "-a", timeout=30).stdout.split()
+    def _inspect(self, service: str | None = None) -> list[dict]:
+        """Return ``docker inspect`` of every container of our project (of ``service`` if named), running or not."""
+        ids = self.compose("ps", "-q", "-a", *([service] if service else []), timeout=30).stdout.split()
         return json.loads(self._run(["docker", "inspect", *ids], timeout=30).stdout) if ids else []
 
     def unhealthy(self) -> dict[str, str]:
@@ -246,7 +283,14 @@ class ComposeCluster(Cluster):
         return self.settings.base_url
 
     def logs(self, service: str | None = None, tail: int | None = None) -> str:
-        args = ["logs", "--no-color", *(["--tail", str(tail)] if tail else []), *([service] if service else [])]
+        """Every container's log, or one node's (``head``, ``worker``, ``worker-2``; a compose service name)."""
+        try:
+            kind, number = parse_node(service) if service else ("", 1)
+        except LookupError:
+            kind, number = service or "", 1
+        # --index picks one replica; with one worker none is needed (the command as it always was)
+        index = ["--index", str(number)] if kind == WORKER and self.settings.workers > 1 else []
+        args = ["logs", "--no-color", *(["--tail", str(tail)] if tail else []), *index, *([kind] if kind else [])]
         proc = self.compose(*args, timeout=60, check=False)
         return proc.stdout + proc.stderr
 
@@ -269,11 +313,9 @@ class ComposeCluster(Cluster):
         return parse_mode_lines(self.logs())
 
     # -- nemeses ----------------------------------------------------------
-    def _container(self, service: str) -> str:
-        ids = self.compose("ps", "-a", "-q", service, timeout=30).stdout.split()
-        if not ids:
-            raise LookupError(f"no running container for service {service!r}")
-        return ids[0]
+    def _container(self, node: str) -> str:
+        """The container id of ``node`` (``head``, ``worker`` = ``worker-1``, ``worker-2``...), or ``LookupError``."""
+        return find_node(self._inspect(parse_node(node)[0]), node)["Id"]
 
     def kill(self, node: str) -> None:
         self._run(["docker", "kill", self._container(node)], timeout=30)
@@ -292,8 +334,9 @@ class ComposeCluster(Cluster):
         """Undo ``isolate`` (the container keeps its name on our network; the head its fixed IP)."""
         if self.state(node) != "isolated":
             return
-        ip = ["--ip", self.settings.head_ip] if node == "head" else []
-        self._run(["docker", "network", "connect", *ip, "--alias", node, self._network, self._container(node)],
+        kind = parse_node(node)[0]
+        ip = ["--ip", self.settings.head_ip] if kind == "head" else []
+        self._run(["docker", "network", "connect", *ip, "--alias", kind, self._network, self._container(node)],
                   timeout=30)
 
     @property
@@ -382,11 +425,13 @@ class ComposeCluster(Cluster):
     def state(self, node: str) -> str:
         """Return the node container's state: running, paused, isolated (running, off our network),
         restarting, exited or missing."""
-        infos = [i for i in self._inspect() if i["Config"]["Labels"].get("com.docker.compose.service") == node]
-        if not infos:
+        kind = parse_node(node)[0]  # a name no cluster has: LookupError, not "missing"
+        try:
+            info = find_node(self._inspect(kind), node)
+        except LookupError:
             return "missing"
-        status = infos[0]["State"]["Status"]
-        if status == "running" and self._network not in (infos[0]["NetworkSettings"]["Networks"] or {}):
+        status = info["State"]["Status"]
+        if status == "running" and self._network not in (info["NetworkSettings"]["Networks"] or {}):
             return "isolated"
         return status
 
@@ -404,7 +449,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="bound on reaching healthy")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cluster = ComposeCluster(up_timeout=args.timeout)
+    try:
+        cluster = ComposeCluster(up_timeout=args.timeout)
+    except ConfigError as exc:
+        sys.exit(f"make {args.action}: {exc}")
     if args.action in ("up", "down"):
         # make up / make down act on the instance named (0 unless TESTBED_INSTANCE says), never on
         # another's: a run that holds it brings it down itself.
@@ -435,8 +483,21 @@ def main(argv: list[str] | None = None) -> None:
         except (ClusterStartError, TimeoutError, RuntimeError) as exc:
             sys.exit(f"make up failed: {exc}")
         print(f"cluster {cluster.settings.project}: healthy in {seconds:.0f} s")
-    print(describe(cluster.base_url, cluster.settings["TESTBED_SERVED_MODEL"], cluster.placement(),
-                   cluster.mode_lines()))
+    placement = cluster.placement()
+    print(describe(cluster.base_url, cluster.settings["TESTBED_SERVED_MODEL"], placement, cluster.mode_lines()))
+    if placement:
+        try:
+            print(placement_line(cluster.topology(), placement))
+        except ClusterStartError as exc:  # `describe` under other settings than the cluster's
+            print(f"placement: not judged ({exc})")
+
+
+def placement_line(topology: Topology, placement: list[RankPlacement]) -> str:
+    """``make up``'s verdict on where the ranks run, against ``Topology.ranks_per_node``."""
+    shape = f"PP={topology.pp} x TP={topology.tp} over {topology.nodes} nodes"
+    wrong = topology.mismatches(placement)
+    runs = " | ".join(map(str, topology.ranks_per_node()))
+    return f"placement ({shape}): " + ("; ".join(wrong) if wrong else f"as expected, ranks {runs}: one node each")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,35 @@ from vllm_zerocopy_testbed.config import ClusterSettings
 logger = logging.getLogger(__name__)
 
 
+# Node names are data: the head, then one per worker node. "worker" is the first worker, as it
+# always was (nemeses, soak, docs name it); the n-th is "worker-n", and "worker-1" names the first too.
+HEAD = "head"
+WORKER = "worker"
+
+
+def node_name(kind: str, number: int = 1) -> str:
+    """The name of the ``number``-th node of ``kind`` (``head``, ``worker``): ``worker``, ``worker-2``..."""
+    return kind if number == 1 else f"{kind}-{number}"
+
+
+def node_names(workers: int) -> list[str]:
+    """The node names of a cluster with ``workers`` worker nodes: ``["head", "worker", "worker-2", ...]``."""
+    return [HEAD, *(node_name(WORKER, n) for n in range(1, workers + 1))]
+
+
+def parse_node(node: str) -> tuple[str, int]:
+    """``(kind, number)`` of a node name: ``head`` -> ``("head", 1)``, ``worker`` and ``worker-1`` ->
+    ``("worker", 1)``, ``worker-2`` -> ``("worker", 2)``; ``LookupError`` for anything else."""
+    kind, dash, number = node.partition("-")
+    if kind == HEAD and not dash:
+        return HEAD, 1
+    if kind == WORKER and not dash:
+        return WORKER, 1
+    if kind == WORKER and number.isdigit() and not number.startswith("0"):
+        return WORKER, int(number)
+    raise LookupError(f"no node {node!r}: head, worker (the first worker) or worker-N")
+
+
 class ClusterStartError(RuntimeError):
     """A cluster did not come up within its bound; the message carries the logs' tail."""
 
@@ -121,8 +150,10 @@ class Cluster(Service):
         return None
 
     def nodes(self) -> list[str]:
-        """The node names the nemesis and usage operations take."""
-        return ["head", "worker"]
+        """The node names the nemesis and usage operations take: the head and ``TESTBED_WORKERS``
+        workers (``node_names``)."""
+        settings = getattr(self, "settings", None)  # a unit test's fake cluster may have none
+        return node_names(settings.workers if settings is not None else 1)
 
     def usage(self, node: str) -> dict[str, float]:
         """What ``node`` holds now (``node/usage.py``): ``rss_mb``, ``fds``, ``processes``, and where the
