@@ -29,7 +29,8 @@ from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster
 from vllm_zerocopy_testbed.cluster.process import kill_session
 from vllm_zerocopy_testbed.cluster.shm import SHM_DIR, owner_pids
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 
 pytestmark = [pytest.mark.concurrent, pytest.mark.timeout(1800)]
 

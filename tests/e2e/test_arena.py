@@ -33,7 +33,7 @@ import requests
 from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.checker.transport import sends
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend
+from vllm_zerocopy_testbed.host_config import ClusterSettings, cluster_backend
 from vllm_zerocopy_testbed.model import ARENA_SPEC
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, History, Record

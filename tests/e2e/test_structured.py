@@ -39,7 +39,8 @@ import pytest
 from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile, cluster_backend
+from vllm_zerocopy_testbed.config import Executor, PatchMode
+from vllm_zerocopy_testbed.host_config import ClusterSettings, Profile, cluster_backend
 from vllm_zerocopy_testbed.known import SEND_RACE
 from live.suite import (HISTORY, MODES_CHOSEN, REPORT, REQUEST_TIMEOUT_S, SETTINGS, STARTED_BY_RUN,
                        STRUCTURED_UNMET, LiveCluster, Reference, bitexact, judge, timeline, timeouts)

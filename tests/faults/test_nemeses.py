@@ -14,7 +14,7 @@ from vllm_zerocopy_testbed import nemesis as nemeses
 from vllm_zerocopy_testbed.checker import Verdict
 from vllm_zerocopy_testbed.cluster.recovery import answers, recover
 from vllm_zerocopy_testbed.report import fault_row
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 from vllm_zerocopy_testbed.workload.catalog import LARGE_STEP_BYTES, batched_tokens, large_step_specs, logprobs_specs
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds

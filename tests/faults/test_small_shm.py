@@ -27,7 +27,8 @@ import pytest
 from vllm_zerocopy_testbed.checker import bitexact
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend, process_env
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.host_config import ClusterSettings, cluster_backend
 from vllm_zerocopy_testbed.workload.catalog import plain_specs
 from vllm_zerocopy_testbed.workload.requests import History, Record
 from vllm_zerocopy_testbed.workload.runner import Runner

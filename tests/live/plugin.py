@@ -23,7 +23,8 @@ import pytest
 from vllm_zerocopy_testbed.checker.bitexact import first_answers
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import REPO_ROOT, Profile, warm_channel_timeout
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.host_config import Profile, warm_channel_timeout
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.report import TestResult, faults_table, write_faults

@@ -22,7 +22,7 @@ from vllm_zerocopy_testbed.checker import bitexact as _bitexact, faults as _faul
 from vllm_zerocopy_testbed.checker import schedule as _schedule, timeline as _timeline, timeouts as _timeouts
 from vllm_zerocopy_testbed.checker import transport as _transport
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.config import ClusterSettings, E2ERun, Profile, cluster_backend, e2e_profiles
+from vllm_zerocopy_testbed.host_config import ClusterSettings, E2ERun, Profile, cluster_backend, e2e_profiles
 from vllm_zerocopy_testbed.known import death_evidence
 from vllm_zerocopy_testbed.model import spec_for
 from vllm_zerocopy_testbed.report import RunReport

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_zerocopy_testbed.config import COMPOSE_DIR, ClusterSettings
+from vllm_zerocopy_testbed.host_config import COMPOSE_DIR, ClusterSettings
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,8 @@ import pytest
 
 from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster, ProjectBusy
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError
+from vllm_zerocopy_testbed.config import ConfigError
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 
 pytestmark = pytest.mark.unit
 
@@ -109,7 +110,7 @@ def test_a_run_takes_the_next_instance_when_another_live_run_holds_its_project(h
     # a third run: 0 and 1 held, it gets 2
     third = subprocess.run([sys.executable, "-c",
                             "import sys; from vllm_zerocopy_testbed.cluster.compose import ComposeCluster; "
-                            "from vllm_zerocopy_testbed.config import ClusterSettings; "
+                            "from vllm_zerocopy_testbed.host_config import ClusterSettings; "
                             "c = ComposeCluster(ClusterSettings.from_env({'COMPOSE_PROJECT_NAME': sys.argv[1]})); "
                             "c.claim(auto=True); print(c.settings.project)", settings.project],
                            capture_output=True, text=True, timeout=60)
@@ -171,8 +172,8 @@ def test_a_second_local_ray_cluster_is_refused_while_another_run_holds_the_ports
 def test_inside_a_node_without_compose_env_the_settings_still_load(monkeypatch, tmp_path) -> None:
     """A node image has no compose/.env: compose passed the values it has (not the project's name).
     Seen: the head's server exited on a KeyError at start and the head stayed "starting"."""
-    from vllm_zerocopy_testbed import config
+    from vllm_zerocopy_testbed import host_config
 
-    monkeypatch.setattr(config, "COMPOSE_DIR", tmp_path)
+    monkeypatch.setattr(host_config, "COMPOSE_DIR", tmp_path)
     settings = ClusterSettings.from_env({"TESTBED_PP": "2"})
     assert settings.project == "zerocopy-testbed" and settings.head_ip == "172.29.77.10"

@@ -43,7 +43,7 @@ def test_bad_values_name_the_valid_ones(env, names) -> None:
 
 
 def test_cluster_backend_is_one_knob() -> None:
-    from vllm_zerocopy_testbed.config import cluster_backend
+    from vllm_zerocopy_testbed.host_config import cluster_backend
 
     assert cluster_backend({}) == "compose" and cluster_backend({"TESTBED_CLUSTER": "local"}) == "local"
     with pytest.raises(ConfigError, match="compose, local"):
@@ -62,7 +62,8 @@ def test_broadcast_fault_parses_a_stall_and_names_valid_values() -> None:
 
 
 def test_the_e2e_run_settings_are_read_once_with_one_default_each() -> None:
-    from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, ConfigError, E2ERun
+    from vllm_zerocopy_testbed.config import REPO_ROOT, ConfigError
+    from vllm_zerocopy_testbed.host_config import ClusterSettings, E2ERun
 
     settings = ClusterSettings.from_env({"RAY_CGRAPH_get_timeout": "30"})
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(0))

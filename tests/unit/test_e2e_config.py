@@ -7,8 +7,14 @@ import re
 
 import pytest
 
-from vllm_zerocopy_testbed.config import (CHANNEL_TIMEOUT_ENV, DEFAULT_CHANNEL_TIMEOUT_S, REPO_ROOT, ClusterSettings,
-                                          ConfigError, Executor, TestbedConfig, e2e_profiles, warm_channel_timeout)
+from vllm_zerocopy_testbed.config import REPO_ROOT, ConfigError, Executor, TestbedConfig
+from vllm_zerocopy_testbed.host_config import (
+    CHANNEL_TIMEOUT_ENV,
+    DEFAULT_CHANNEL_TIMEOUT_S,
+    ClusterSettings,
+    e2e_profiles,
+    warm_channel_timeout,
+)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 from vllm_zerocopy_testbed.known import E2E
 from vllm_zerocopy_testbed.report import RunReport, TestResult

@@ -15,7 +15,8 @@ from loopback import Loopback
 
 from vllm_zerocopy_testbed.cluster.external import ExternalCluster
 from vllm_zerocopy_testbed.cluster.interface import NEMESIS_OPERATIONS, ClusterStartError, Unsupported
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, ExternalTarget, PatchMode, e2e_profiles
+from vllm_zerocopy_testbed.config import ConfigError, PatchMode
+from vllm_zerocopy_testbed.host_config import ClusterSettings, ExternalTarget, e2e_profiles
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

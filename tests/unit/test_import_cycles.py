@@ -73,3 +73,20 @@ def test_the_packages_import_each_other_without_a_cycle() -> None:
             lines += [f"    {importer} -> {imported}: {where}" for where in edges.get((importer, imported), [])]
     assert not found, "import cycles between packages (move the shared code where both can import it):\n" + "\n".join(
         lines)
+
+
+# What vLLM's own processes load (the plugins vLLM discovers, what they patch and register, their logging):
+# none of it may reach the host's tooling, whose imports (compose arithmetic, e2e policy) a worker never needs.
+VLLM_SIDE = ("plugins", "patches", "kernels", "observe", "config")
+
+
+def test_what_vllm_processes_load_never_imports_the_hosts_tooling() -> None:
+    graph = grimp.build_graph(PACKAGE, cache_dir=None)
+    chains = {}
+    for part in VLLM_SIDE:
+        chain = graph.find_shortest_chain(importer=f"{PACKAGE}.{part}", imported=f"{PACKAGE}.host_config",
+                                          as_packages=part != "config")
+        if chain:
+            chains[part] = " -> ".join(chain)
+    assert not chains, "vLLM-side code imports the host's tooling:\n" + "\n".join(
+        f"  {part}: {chain}" for part, chain in chains.items())

@@ -125,7 +125,8 @@ WRONG_TOKENS = "tokens = reference: 1 problem(s)\n  logprobs/k5: choice 0: token
 
 
 def _profile(executor: str, broadcast: str, detach: str):
-    from vllm_zerocopy_testbed.config import Executor, PatchMode, Profile
+    from vllm_zerocopy_testbed.config import Executor, PatchMode
+    from vllm_zerocopy_testbed.host_config import Profile
 
     return Profile(Executor(executor), PatchMode(broadcast), PatchMode(detach))
 

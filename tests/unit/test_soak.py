@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from vllm_zerocopy_testbed.config import ClusterSettings, parse_duration
+from vllm_zerocopy_testbed.host_config import ClusterSettings, parse_duration
 from vllm_zerocopy_testbed.soak import analysis, report
 from vllm_zerocopy_testbed.soak.__main__ import main, workload
 from vllm_zerocopy_testbed.soak.analysis import Sample

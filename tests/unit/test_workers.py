@@ -18,7 +18,8 @@ from vllm_zerocopy_testbed.cluster import compose as compose_module
 from vllm_zerocopy_testbed.cluster.compose import ComposeCluster, find_node, node_of
 from vllm_zerocopy_testbed.cluster.interface import ClusterStartError, node_names, parse_node
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, Topology
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError
+from vllm_zerocopy_testbed.config import ConfigError
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,8 @@ from typing import Callable
 from vllm_zerocopy_testbed.checker.latency import percentile
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.reference import ReferenceServer
-from vllm_zerocopy_testbed.config import ClusterSettings, Executor, PatchMode, Profile
+from vllm_zerocopy_testbed.config import Executor, PatchMode
+from vllm_zerocopy_testbed.host_config import ClusterSettings, Profile
 from vllm_zerocopy_testbed.workload.catalog import EmbedsSizes, concurrent_specs, structured_specs
 from vllm_zerocopy_testbed.workload.embeds import token_ids
 from vllm_zerocopy_testbed.workload.requests import CompletionSpec, Embeds, History, Record

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster, ClusterStartError
-from vllm_zerocopy_testbed.config import ClusterSettings, cluster_backend, process_env
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.host_config import ClusterSettings, cluster_backend
 
 
 def cluster_from_env(up_timeout: float = 600.0, overrides: Mapping[str, str] | None = None) -> Cluster:

@@ -23,9 +23,9 @@ from vllm_zerocopy_testbed.cluster import locks
 from vllm_zerocopy_testbed.cluster.interface import WORKER, Cluster, ClusterStartError, node_name, parse_node
 from vllm_zerocopy_testbed.cluster.placement import (RankPlacement, Topology, describe, parse_mode_lines,
                                                      parse_placement)
-from vllm_zerocopy_testbed.config import (INSTANCE_ENV, LOCAL_BASE_IMAGE, MAX_INSTANCES, REPO_ROOT, ClusterSettings,
-                                          ConfigError, process_env)
-from vllm_zerocopy_testbed.config import base_image as config_base_image
+from vllm_zerocopy_testbed.config import REPO_ROOT, ConfigError, process_env
+from vllm_zerocopy_testbed.host_config import INSTANCE_ENV, LOCAL_BASE_IMAGE, MAX_INSTANCES, ClusterSettings
+from vllm_zerocopy_testbed.host_config import base_image as config_base_image
 from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.waits import WaitAborted, WaitTimeout, wait_until
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from vllm_zerocopy_testbed.cluster.interface import NEMESIS_OPERATIONS, Cluster, ClusterStartError
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement
-from vllm_zerocopy_testbed.config import ClusterSettings, ConfigError, ExternalTarget
+from vllm_zerocopy_testbed.config import ConfigError
+from vllm_zerocopy_testbed.host_config import ClusterSettings, ExternalTarget
 from vllm_zerocopy_testbed.waits import WaitTimeout, wait_until
 from vllm_zerocopy_testbed.workload.warmup import is_healthy
 

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from typing import NoReturn
 
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement
-from vllm_zerocopy_testbed.config import ClusterSettings
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 
 
 logger = logging.getLogger(__name__)

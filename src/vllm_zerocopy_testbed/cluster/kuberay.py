@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from vllm_zerocopy_testbed.config import REPO_ROOT, ClusterSettings, parse_duration
+from vllm_zerocopy_testbed.config import REPO_ROOT
+from vllm_zerocopy_testbed.host_config import ClusterSettings, parse_duration
 
 DEPLOY_DIR = REPO_ROOT / "deploy" / "kuberay"
 RAY_VERSION = "2.60.0"

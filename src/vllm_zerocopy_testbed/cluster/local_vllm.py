@@ -23,7 +23,8 @@ from vllm_zerocopy_testbed.cluster.interface import Cluster
 from vllm_zerocopy_testbed.cluster.local_ray import LocalRayCluster, RayNodeSpec
 from vllm_zerocopy_testbed.cluster.placement import RankPlacement, parse_mode_lines, parse_placement_by_pid
 from vllm_zerocopy_testbed.cluster.process import is_stopped, session_pids, signal_matching, signal_session, stop_group
-from vllm_zerocopy_testbed.config import ClusterSettings, process_env
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 from vllm_zerocopy_testbed.model import build, model_dir, spec_for
 from vllm_zerocopy_testbed.node import usage as node_usage
 from vllm_zerocopy_testbed.node.serve import serve_argv, serve_env

@@ -13,7 +13,8 @@ from typing import ContextManager
 from vllm_zerocopy_testbed.cluster.api_server import ApiServerProcess
 from vllm_zerocopy_testbed.cluster.interface import Service, free_port
 from vllm_zerocopy_testbed.node.serve import serve_argv
-from vllm_zerocopy_testbed.config import ClusterSettings, process_env
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 from vllm_zerocopy_testbed.model import TinyModelSpec, build, model_dir, spec_for
 from vllm_zerocopy_testbed.workload.warmup import warm_up
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_zerocopy_testbed.config import ClusterSettings, process_env
+from vllm_zerocopy_testbed.config import process_env
+from vllm_zerocopy_testbed.host_config import ClusterSettings
 
 # PP on CPU: --enforce-eager leaves stage 2 without intermediate tensors (the CPU
 # warm-up that allocates them is skipped); compilation mode 2 with the eager backend

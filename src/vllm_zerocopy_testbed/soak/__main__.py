@@ -29,7 +29,8 @@ from vllm_zerocopy_testbed.vllm_source import running
 from vllm_zerocopy_testbed.checker import Verdict, bitexact, timeouts
 from vllm_zerocopy_testbed.cluster import cluster_from_env
 from vllm_zerocopy_testbed.cluster.interface import Cluster, Unsupported
-from vllm_zerocopy_testbed.config import NODE_ENV, REPO_ROOT, ClusterSettings, E2ERun, parse_duration
+from vllm_zerocopy_testbed.config import NODE_ENV, REPO_ROOT
+from vllm_zerocopy_testbed.host_config import ClusterSettings, E2ERun, parse_duration
 from vllm_zerocopy_testbed.soak import analysis, report
 from vllm_zerocopy_testbed.soak.analysis import Sample
 from vllm_zerocopy_testbed.workload import catalog
