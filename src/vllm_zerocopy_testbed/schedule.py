@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from vllm_zerocopy_testbed.cluster.interface import Cluster
-from vllm_zerocopy_testbed.config import parse_duration
+from vllm_zerocopy_testbed.host_config import parse_duration
 from vllm_zerocopy_testbed.workload.requests import Event, History
 
 logger = logging.getLogger(__name__)
@@ -301,6 +301,21 @@ class ScheduleRun:
             self.thread.join(timeout)
             return not self.thread.is_alive()
         return True
+
+    def follow(self, timeout: float, every_s: float = 5.0) -> bool:
+        """``join``, logging each step as it ends from the caller's thread (a progress display that
+        shows only its own thread's lines then shows the schedule as it runs); whether it ended."""
+        deadline, shown = time.monotonic() + timeout, 0
+        while True:
+            ended = self.join(max(0.0, min(every_s, deadline - time.monotonic())))
+            done = [s for s in self.steps if s.ended]
+            for record in done[shown:]:
+                offset = record.started - self.started
+                logger.info("schedule %s at %.0f s: %s %s %s%s", record.phase, offset, record.kind, record.node,
+                            "ok" if record.ok else "FAILED", "" if record.ok else f" ({record.error})")
+            shown = len(done)
+            if ended or time.monotonic() >= deadline:
+                return ended
 
 
 def _timeline(schedule: Schedule) -> list[tuple[float, int, str, Op]]:

@@ -148,6 +148,18 @@ def test_the_runner_applies_and_heals_in_time_order_and_records_each_step() -> N
     assert judge.check_steps(faults, 2).ok
 
 
+def test_following_a_run_shows_each_step_from_the_callers_thread(caplog) -> None:
+    """The live progress display prints only the main thread's lines: ``follow`` logs the steps there."""
+    plan = _hand_made([schedules.Op(0, 0.1, "pause", "worker", 0.3), schedules.Op(1, 0.2, "kill", "head", 0.1)])
+    caplog.set_level("INFO", logger=schedules.logger.name)
+    running = schedules.run(Recording(fail_kill=True), plan, History(), "p")
+    assert running.follow(10, every_s=0.05)
+    shown = [r for r in caplog.records if r.getMessage().startswith("schedule ") and " at " in r.getMessage()]
+    assert {r.threadName for r in shown} == {threading.current_thread().name}
+    assert [r.getMessage().split(": ", 1)[1].split(" (")[0] for r in shown] == [
+        "pause worker ok", "kill head FAILED", "kill head ok", "pause worker ok"]
+
+
 def test_a_failed_apply_is_recorded_healed_and_the_schedule_goes_on() -> None:
     cluster, history = Recording(fail_kill=True), History()
     plan = _hand_made([schedules.Op(0, 0.0, "kill", "worker", 0.1), schedules.Op(1, 0.2, "pause", "head", 0.1)])
