@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -157,23 +158,29 @@ def main(argv: list[str] | None = None) -> int:
         if "e2e" in parts:
             e2e_runs = {}
             step = f"e2e-{e2e.step(args.full).target}"
-            for s in (base, candidate):
-                t0 = time.monotonic()
-                ran = _saved_base(s, step, [], args.fresh_base, result, say)
-                if ran is None:
-                    say(f"{s.label}: e2e ({e2e.step(args.full).target}, compose cluster, V2, modes upstream)")
-                    ran = e2e.run_side(s, run, out, args.full, say)
-                    _keep_base(s, step, [], ran)
-                e2e_runs[s.label] = ran
-                result.sides[f"e2e-{s.label}"] = ran
-                result.steps[f"{s.label} e2e"] = round(time.monotonic() - t0, 1)
-                if ran.bound_passed:
-                    result.errors.append(f"hang: the {s.label}'s e2e {ran.bound_passed} (log {ran.log})")
-                if ran.error:
-                    result.errors.append(f"{s.label}'s e2e: {ran.error}")
+            stop_engine = e2e.ensure_engine(say)
+            try:
+                for s in (base, candidate):
+                    t0 = time.monotonic()
+                    ran = _saved_base(s, step, [], args.fresh_base, result, say)
+                    if ran is None:
+                        say(f"{s.label}: e2e ({e2e.step(args.full).target}, compose cluster, V2, modes upstream)")
+                        ran = e2e.run_side(s, run, out, args.full, say)
+                        _keep_base(s, step, [], ran)
+                    e2e_runs[s.label] = ran
+                    result.sides[f"e2e-{s.label}"] = ran
+                    result.steps[f"{s.label} e2e"] = round(time.monotonic() - t0, 1)
+                    if ran.bound_passed:
+                        result.errors.append(f"hang: the {s.label}'s e2e {ran.bound_passed} (log {ran.log})")
+                    if ran.error:
+                        result.errors.append(f"{s.label}'s e2e: {ran.error}")
+            finally:
+                stop_engine()
             result.rows += compare.rows(e2e_runs["base"].outcomes, e2e_runs["candidate"].outcomes)
     except KeyboardInterrupt:
         result.errors.append("interrupted (Ctrl-C or SIGTERM): the table covers what finished")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # the testbed's own error: red, said
+        result.errors.append(str(exc))
     result.seconds = round(time.monotonic() - start, 1)
     written = report.write(result, out)
     print()

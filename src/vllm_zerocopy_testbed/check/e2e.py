@@ -5,6 +5,7 @@ junit.xml. A side whose code cannot serve here (``Overlay.e2e_blocker``) runs no
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,8 @@ from vllm_zerocopy_testbed.check.side import MODE_ENVS, SideRun, parse_junit, ru
 from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 
 SMOKE_BOUND_S = 900.0
+ENGINE_BOUND_S = 600.0
+OUR_DOCKERD = Path("/run/testbed-dockerd.pid")  # scripts/ensure-docker.sh writes it when it starts one
 FULL_BOUND_S = 3600.0
 
 
@@ -54,4 +57,25 @@ def run_side(side: Side, run: str, out: Path, full: bool, say: Callable[[str], N
         tail = [l for l in log.read_text(errors="replace").splitlines() if l.strip()][-3:]
         result.error = f"make {step(full).target} ran no test (exit {rc}): {' | '.join(tail)[-400:]}"
     return result
+
+
+def ensure_engine(say: Callable[[str], None]) -> Callable[[], None]:
+    """Make the Docker engine reachable from the check's own process, before any side runs; return what
+    stops it at the end (nothing when it was running already). A side runs in a session of its own that
+    is ended with it: an engine its ``make`` started would be killed with it, leaving the next side a
+    stale pid file and no engine."""
+    ours_before = OUR_DOCKERD.exists()
+    run = subprocess.run([str(REPO_ROOT / "scripts/ensure-docker.sh")], capture_output=True, text=True,
+                         timeout=ENGINE_BOUND_S, env=process_env())
+    if run.returncode != 0:
+        raise RuntimeError(f"no Docker engine for the e2e tier: {run.stderr.strip().splitlines()[-1:] or run.stdout}")
+    say(run.stdout.strip().splitlines()[-1] if run.stdout.strip() else "docker: engine reachable")
+    if ours_before or not OUR_DOCKERD.exists():
+        return lambda: None
+
+    def stop() -> None:
+        done = subprocess.run([str(REPO_ROOT / "scripts/stop-docker.sh")], capture_output=True, text=True,
+                              timeout=60, env=process_env())
+        say(done.stdout.strip() or done.stderr.strip())
+    return stop
 
