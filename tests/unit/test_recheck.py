@@ -30,28 +30,10 @@ TENSOR = 2100 * 512  # an ``oob`` prompt_embeds tensor in fp32
 TEST = "tests/e2e/test_embeds.py::test_large_embeds_cross_to_the_remote_stage_out_of_band[v2/testbed-oob]"
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        # observe/log.py's format: what every node process writes
-        self.setFormatter(logging.Formatter("INFO %(asctime)s [testbed] %(message)s", "%m-%d %H:%M:%S"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-
 @pytest.fixture
-def node_log(monkeypatch):
-    """A logger as the nodes have, and the timeline writer writing to it; yields the formatted lines."""
-    handler = _Lines()
-    log = logging.getLogger("testbed-recheck-test")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    monkeypatch.setattr(timeline_patch, "_log", log)
-    yield log, handler.lines
-    log.removeHandler(handler)
+def node_log(timeline_log):
+    """A logger as the nodes have, and the timeline writer writing to it; the lines as nodes write them."""
+    return timeline_log.logger, timeline_log.lines
 
 
 def _compose(lines: list[str]) -> str:

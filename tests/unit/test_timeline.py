@@ -8,7 +8,6 @@ released the frame (the testbed's) must show none.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
@@ -22,25 +21,9 @@ pytestmark = pytest.mark.unit
 MiB = 1 << 20
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
-def lines(monkeypatch):
-    handler = _Lines()
-    log = logging.getLogger("testbed-timeline-test")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    monkeypatch.setattr(timeline, "_log", log)
-    yield handler.lines
-    log.removeHandler(handler)
+def lines(timeline_log):
+    return timeline_log.messages
 
 
 def _wait_for(lines: list[str], ev: str, count: int, timeout: float = 10.0) -> None:
