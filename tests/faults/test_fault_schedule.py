@@ -76,8 +76,7 @@ def test_a_fault_schedule_keeps_every_request_bounded_and_the_cluster_comes_back
     specs = _specs()
     # The session's reference answered the suites' specs; these (8 tokens, the 1 MiB embeds) it answers here.
     assert reference.runner is not None, "the reference server is down"
-    with reference.runner.awake():  # paused between its requests: it runs only for its own
-        ours = reference.runner.run("schedule-reference", specs)
+    ours = reference.runner.run("schedule-reference", specs)
     assert all(r.ok for r in ours), f"the single-process reference failed: {timeouts.check(ours)}"
     before = runner.run("schedule-before", specs)
     assert all(r.ok for r in before), f"the cluster did not answer before the schedule: {timeouts.check(before)}"

@@ -7,6 +7,7 @@ nemesis stops and continues with signals.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -68,6 +69,24 @@ SPECS = [CompletionSpec("a", prompt_ids=(1, 2, 3), max_tokens=1), CompletionSpec
 
 def _runner(server: Server, history: History) -> Runner:
     return Runner(f"{server.url}/v1", "m", history, "p", timeout_s=5)
+
+
+def test_a_runner_wakes_its_paused_server_for_its_own_runs(server: Server) -> None:
+    """A paused reference server answers the runner's own requests only while they run (a paused
+    one would leave every request to its bound)."""
+    server.answering = False  # paused: what it would answer is no answer
+
+    @contextlib.contextmanager
+    def awake():
+        server.answering = True
+        try:
+            yield
+        finally:
+            server.answering = False
+
+    runner = Runner(f"{server.url}/v1", "m", History(), "reference", timeout_s=5, awake=awake)
+    assert all(r.ok for r in runner.run("own", SPECS))
+    assert not server.answering, "paused again after the run"
 
 
 def test_the_stream_sends_until_stopped_and_keeps_every_failure(server: Server) -> None:

@@ -42,8 +42,8 @@ class Runner:
     history: History
     profile: str
     timeout_s: float
-    # Entered around each request this runner sends as the other half of a pair: a paused
-    # reference server runs only for its own requests (``ReferenceServer.awake``).
+    # Entered around this runner's own runs and each request it sends as the other half of a pair:
+    # a paused reference server runs only for its own requests (``ReferenceServer.awake``).
     awake: Callable[[], ContextManager[object]] = field(default=contextlib.nullcontext)
 
     def _client(self, keep_alive: bool = True) -> openai.OpenAI:
@@ -81,7 +81,8 @@ class Runner:
             return self.history.add(record)
 
         records: list[Record] = []
-        with _announced(self.profile, suite, f"{len(specs)} request(s), {max(1, concurrency)} at a time", records):
+        with self.awake(), _announced(self.profile, suite, f"{len(specs)} request(s), {max(1, concurrency)} at a time",
+                                      records):
             if concurrency <= 1:
                 for spec in specs:
                     records.append(one(spec))
