@@ -104,6 +104,27 @@ def test_the_map_names_the_green_tests_of_a_function_fastest_first() -> None:
     assert cmap.red() == ["t::red"]
 
 
+def test_a_mutant_is_judged_by_the_tests_that_ran_its_statement_killers_first() -> None:
+    source = "def f(x):\n    g(\n        x + 1,\n    )\n    if x:\n        return 1\n"
+    cmap = _map()
+    cmap.line_tests = {"m": {"2": ["t::slow", "t::red"], "5": ["t::fast", "t::slow", "t::known"], "6": ["t::known"]}}
+    assert cmap.tests_for_lines("m", source, [3], "f") == ["t::slow"]  # line 3 is the statement of line 2
+    assert cmap.tests_for_lines("m", source, [6], "f") == ["t::known"]
+    assert cmap.tests_for_lines("m", source, [5], "f") == ["t::fast", "t::known", "t::slow"]
+    assert cmap.tests_for_lines("m", source, [5], "f", first=("t::slow", "t::gone")) == [
+        "t::slow", "t::fast", "t::known"]
+    assert cmap.tests_for_lines("other", source, [5], "f") == []  # no per-line data: the function's (none)
+    cmap.line_tests = {}
+    assert cmap.tests_for_lines("m", source, [6], "f") == ["t::fast", "t::known", "t::slow"]
+
+
+def test_junit_names_map_back_to_node_ids() -> None:
+    tests = ["tests/component/test_ring.py::test_a[upstream]", "tests/unit/test_x.py::TestY::test_a[upstream]"]
+    assert mechanical.node_id("test_ring::test_a[upstream]", tests) == tests[0]
+    assert mechanical.node_id("TestY::test_a[upstream]", tests) == tests[1]  # a class's tests: the class
+    assert mechanical.node_id("test_ring::test_b", tests) == "" and mechanical.node_id("timeout", tests) == ""
+
+
 def test_the_map_round_trips_through_json() -> None:
     cmap = _map()
     assert cm.CoverageMap.from_json(cmap.to_json()) == cmap

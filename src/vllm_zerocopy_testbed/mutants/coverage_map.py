@@ -37,6 +37,8 @@ CONTEXT_ENV = "TESTBED_COV_CONTEXT"
 CURRENT_TEST_ENV = "TESTBED_COV_TEST_FILE"
 OUTCOMES_ENV = "TESTBED_COV_OUTCOMES"
 COVERAGE_RUN_TIMEOUT_S = 3 * 3600
+# Part of a map's key: a map of an older shape (no per-line tests) is built again, not reused.
+MAP_FORMAT = "per-line tests"
 
 # Runs at start-up of every Python process of the coverage run (stdlib and coverage only).
 _SITECUSTOMIZE = '''\
@@ -192,6 +194,9 @@ class CoverageMap:
     request: dict[str, object] = field(default_factory=dict)
     # Per measured module, the lines some test ran (coverage.py's statement lines); absent: unknown.
     lines: dict[str, list[int]] = field(default_factory=dict)
+    # Per measured module, per statement line (a string: JSON keys), the tests that ran it; absent: only
+    # the function is known, and a mutant is judged by every test of its function.
+    line_tests: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     def ran_line(self, module: str, source: str, line: int) -> bool:
         """Whether some test ran the statement holding ``line`` (True when the map does not know)."""
@@ -204,6 +209,25 @@ class CoverageMap:
         ran = self.functions.get(module, {}).get(qualname, [])
         green = [t for t in ran if t in self.tests and self.tests[t].outcome in GREEN]
         return sorted(green, key=lambda t: (self.tests[t].seconds, t))
+
+    def tests_for_lines(self, module: str, source: str, lines: list[int], qualname: str,
+                        first: tuple[str, ...] = ()) -> list[str]:
+        """Return the green tests that ran one of ``lines`` (their statements) of ``module``: the tests that can
+        see a change there. ``first`` (tests that killed a mutant of the same function before) lead, then
+        fastest first. A map without per-line data gives every test of the function ``qualname``.
+
+        Only a test that ran the changed statement can tell the change apart, so the others are not run: for
+        a long function (``MessageQueue.enqueue``) most of its tests never reach a given branch.
+        """
+        per_line = self.line_tests.get(module)
+        if per_line is None:
+            green = self.tests_for(module, qualname)
+        else:
+            ran = {t for line in lines for t in per_line.get(str(statement_line(source, line)), ())}
+            green = sorted((t for t in ran if t in self.tests and self.tests[t].outcome in GREEN),
+                           key=lambda t: (self.tests[t].seconds, t))
+        lead = [t for t in first if t in green]
+        return lead + [t for t in green if t not in lead]
 
     def seconds_for(self, tests: list[str]) -> float:
         """Return what running ``tests`` once costs: pytest's start and every test's seconds."""
@@ -252,7 +276,7 @@ def digest(parts: list[str | bytes]) -> str:
 def map_key(sources: dict[str, str], request: CoverageRequest, root: Path = REPO_ROOT) -> str:
     """Return the key of a map: measured sources, the request, and every test and testbed source file
     (but this tool's own: it does not change what the tests run)."""
-    parts: list[str | bytes] = [json.dumps(asdict(request), sort_keys=True)]
+    parts: list[str | bytes] = [MAP_FORMAT, json.dumps(asdict(request), sort_keys=True)]
     for module in sorted(sources):
         parts += [module, sources[module]]
     tool = root / "src/vllm_zerocopy_testbed/mutants"
@@ -317,13 +341,16 @@ def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: s
     measured = {str(Path(f).resolve()): f for f in data.measured_files()}
     by_module: dict[str, dict[str, list[str]]] = {}
     ran: dict[str, list[int]] = {}
+    per_line: dict[str, dict[str, list[str]]] = {}
     for module, path in files.items():
         name = measured.get(str(path.resolve()))
         lines = data.contexts_by_lineno(name) if name else {}
         by_module[module] = functions_from_lines(path.read_text(), lines)
         ran[module] = sorted(line for line, contexts in lines.items() if any(contexts))
+        per_line[module] = {str(line): sorted({c for c in contexts if c}) for line, contexts in sorted(lines.items())
+                            if any(contexts)}
     session = max(0.0, wall - sum(r.seconds for r in tests.values()))
-    return CoverageMap(key, by_module, tests, round(session, 1), asdict(request), ran)
+    return CoverageMap(key, by_module, tests, round(session, 1), asdict(request), ran, per_line)
 
 
 def load_or_build(files: dict[str, Path], request: CoverageRequest, cache: Path) -> tuple[CoverageMap, bool]:

@@ -7,9 +7,9 @@ scratch overlay (never into the venv or the checkout) and judged by our own test
 mutmut 3 instead rewrites the project's own sources into trampolines under ``mutants/`` and
 drives the test run itself, which reaches neither vLLM in site-packages nor reader processes.
 
-A mutant's tests are the green tests that ran its function in one coverage run
-(``coverage_map``), fastest first, ``-x``; a mutant on a line no test ran is uncovered without a
-run; a mutant outside every function (module and class level) is skipped, as is a function the
+A mutant's tests are the green tests that ran its changed statement in one coverage run
+(``coverage_map``), the tests that killed its function's earlier mutants first, then fastest first,
+``-x``; a mutant on a line no test ran is uncovered without a run; a mutant outside every function (module and class level) is skipped, as is a function the
 target does not name. Each module has its own session under ``.cache/mutants/`` (keyed by its
 source and the operators), stored after every mutant: a run resumes where the last one stopped.
 Survivors are open unless ``EQUIVALENT`` argues them equivalent.
@@ -334,6 +334,7 @@ class Verdict:
     seconds: float = 0.0
     loads: int = 0
     equivalent: str = ""
+    killer: str = ""  # the killing test's node id, as the coverage map names it
 
     @property
     def key(self) -> str:
@@ -353,8 +354,9 @@ def describe_change(pristine: str, mutated: str) -> tuple[int, str]:
 
 
 def judge_one(planned: Planned, session: Session, cmap: coverage_map.CoverageMap, scratch: Path,
-              run_tests: Callable[..., run.Outcome] = run.run_tests) -> Verdict:
-    """Apply one mutant through a scratch overlay and run the tests that ran its function."""
+              run_tests: Callable[..., run.Outcome] = run.run_tests, first: tuple[str, ...] = ()) -> Verdict:
+    """Apply one mutant through a scratch overlay and run the tests that ran its changed lines (``first``,
+    the tests that killed its function's mutants before, lead)."""
     import cosmic_ray.plugins
     from cosmic_ray.mutating import mutate_code
 
@@ -372,17 +374,18 @@ def judge_one(planned: Planned, session: Session, cmap: coverage_map.CoverageMap
     except ValueError as exc:
         verdict.message = str(exc)
         return verdict
-    tests = cmap.tests_for(planned.module, verdict.function)
+    changed = coverage_map.changed_lines(pristine, mutated)
+    tests = cmap.tests_for_lines(planned.module, pristine, changed, verdict.function, first)
     verdict.tests = len(tests)
     verdict.equivalent = equivalent_reason(verdict.key)
-    if not tests:
+    if not cmap.tests_for(planned.module, verdict.function):
         verdict.fate = UNCOVERED
         verdict.message = "no green test of the coverage run ran this function"
         return verdict
     # A changed line no test ran cannot be seen by the tests: a survivor without a run.
-    if not any(cmap.ran_line(planned.module, pristine, line) for line in coverage_map.changed_lines(pristine, mutated)):
+    if not tests or not any(cmap.ran_line(planned.module, pristine, line) for line in changed):
         verdict.fate = UNCOVERED
-        verdict.message = "no test of the coverage run ran the changed line"
+        verdict.message = "no green test of the coverage run ran the changed line"
         return verdict
     try:
         overlay.build_sources(scratch, {planned.module: mutated})
@@ -398,9 +401,20 @@ def judge_one(planned: Planned, session: Session, cmap: coverage_map.CoverageMap
         verdict.fate = SURVIVED  # equivalent or open: decided when reported (EQUIVALENT may change)
     elif outcome.returncode in (1, -9):
         verdict.fate, verdict.killed_by, verdict.message = KILLED, outcome.failed_test or "timeout", outcome.message
+        verdict.killer = node_id(verdict.killed_by, tests)
     else:
         verdict.message = f"pytest exited {outcome.returncode}: {outcome.message}"
     return verdict
+
+
+def node_id(junit_name: str, tests: list[str]) -> str:
+    """Return the node id among ``tests`` that ``run``'s JUnit name (``<module or class>::<name>``) names, or ""."""
+    owner, _, name = junit_name.partition("::")
+    for test in tests:
+        path, _, rest = test.partition("::")
+        if (rest == name and Path(path).stem == owner) or rest == junit_name:
+            return test
+    return ""
 
 
 def _result(verdict: Verdict):
@@ -433,7 +447,7 @@ def estimate(todo: list[Planned], cmap: coverage_map.CoverageMap, sources: dict[
     """Return the seconds ``todo`` takes at most (every test of every mutant runs: all survive)."""
     total = 0.0
     for p in todo:
-        tests = cmap.tests_for(p.module, p.function)
+        tests = cmap.tests_for_lines(p.module, sources[p.module], [p.line], p.function)
         if tests and cmap.ran_line(p.module, sources[p.module], p.line):  # an uncovered mutant runs nothing
             total += cmap.seconds_for(tests)
     return total
@@ -517,6 +531,7 @@ def _run_pending(pending: list[tuple[Planned, Session, object]], cmap: coverage_
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     counts: Counter[str] = Counter()
+    killers: dict[tuple[str, str], list[str]] = {}  # (module, function) -> tests that killed its mutants, latest first
     columns = (TextColumn("mutants"), BarColumn(), MofNCompleteColumn(),
                TextColumn("killed {task.fields[killed]} survived {task.fields[survived]} other {task.fields[other]}"),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -524,8 +539,11 @@ def _run_pending(pending: list[tuple[Planned, Session, object]], cmap: coverage_
         task = progress.add_task("mutants", total=len(pending), killed=0, survived=0, other=0)
         for index, (p, session, db) in enumerate(pending, 1):
             started = time.monotonic()
-            verdict = judge_one(p, session, cmap, out / "scratch" / p.job_id)
+            mine = killers.setdefault((p.module, p.function), [])
+            verdict = judge_one(p, session, cmap, out / "scratch" / p.job_id, first=tuple(mine))
             db.set_result(p.job_id, _result(verdict))  # type: ignore[attr-defined]
+            if verdict.killer:
+                mine[:] = [verdict.killer, *(t for t in mine if t != verdict.killer)]
             counts[verdict.fate] += 1
             progress.update(task, advance=1, killed=counts[KILLED], survived=counts[SURVIVED] + counts[UNCOVERED],
                             other=sum(counts.values()) - counts[KILLED] - counts[SURVIVED] - counts[UNCOVERED])
