@@ -74,7 +74,7 @@ test-core: $(STAMP) ## unit + component tests (real vLLM, Ray, ZMQ; 8-12 min on 
 
 # Every e2e cluster and the reference serve what the structured suite needs (catalog.STRUCTURED_CLUSTER:
 # the 262144-token variant, 128 sequences, the MessageQueue timeline), so that the suite runs first on
-# each V2 profile's own cluster instead of starting two more and a reference (issue 21). Naming a
+# each V2 profile's own cluster instead of starting two more and a reference. Naming a
 # model (TESTBED_MODEL=/model make e2e) keeps compose/.env's settings, and a `make up` cluster is used
 # as it is; the suite then brings up clusters of its own. Compose only: a local or external cluster
 # serves what it serves, and the suite skips there.
