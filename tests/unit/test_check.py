@@ -222,5 +222,9 @@ def test_slower_on_a_path_the_candidate_fixed_is_the_fixs_cost_and_not_red() -> 
     cells = [cell("broadcast remote"), cell("arena")]
     speed.charge_fixes(cells, {"broadcast"})
     assert [c.verdict for c in cells] == [speed.FIX_COST, speed.SLOWER]
+    # A change that fixed one property of a path and broke another there is no fix: its slowdown is BROKE (speed).
+    mixed = [cell("broadcast local")]
+    speed.charge_fixes(mixed, {"broadcast"}, frozenset({"broadcast"}))
+    assert [c.verdict for c in mixed] == [speed.SLOWER]
     fixed = compare.rows([race("remote-tcp-tensor", "failed", RACE_MESSAGE)], [race("remote-tcp-tensor", "passed")])
     assert not _result(fixed, cells[:1]).red and _result(fixed, cells).red

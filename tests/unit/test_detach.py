@@ -5,11 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vllm_zerocopy_testbed import vllm_source
 from vllm_zerocopy_testbed.config import PatchMode
 from vllm_zerocopy_testbed.harness.ray_channel import OutputShape, make_output
 from vllm_zerocopy_testbed.patches import detach
 
 pytestmark = pytest.mark.unit
+
+
+def _skip_where_vllm_has_no_detach(mode: PatchMode) -> None:
+    """Mode ``upstream`` runs vLLM's own detach: a vLLM without one (it went with the compiled-graph executor)
+    has nothing to judge here, which ``make check`` reports as the path gone, not as a failure."""
+    if mode is PatchMode.UPSTREAM and "Ray output detach" in vllm_source.running()["lacks"]:
+        pytest.skip("the vLLM under test has no Ray output detach (it went with the compiled-graph executor)")
 
 
 def _freeze(array: np.ndarray) -> np.ndarray:
@@ -32,6 +40,7 @@ def _read_only(*arrays: np.ndarray) -> list[bool]:
 
 
 def test_every_read_only_array_is_copied_with_values_and_types_kept(detach_mode, expect) -> None:
+    _skip_where_vllm_has_no_detach(detach_mode)
     expect("detach_logprobs", detach_mode)
     out = _channel_output()
     before = [a.copy() for a in out.logprobs[:3]]
@@ -43,6 +52,7 @@ def test_every_read_only_array_is_copied_with_values_and_types_kept(detach_mode,
 
 
 def test_sampling_masks_are_detached(detach_mode, expect) -> None:
+    _skip_where_vllm_has_no_detach(detach_mode)
     expect("detach_sampling_mask", detach_mode)
     out = _channel_output()
     detach.resolve(detach_mode)(out)
@@ -53,6 +63,7 @@ def test_sampling_masks_are_detached(detach_mode, expect) -> None:
 
 def test_auxiliary_rows_are_detached(detach_mode, expect) -> None:
     """``aux_output_connector_output`` (routed experts): one read-only ``rows`` array per request."""
+    _skip_where_vllm_has_no_detach(detach_mode)
     from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
 
     expect("detach_logprobs", detach_mode)
@@ -92,6 +103,7 @@ def test_the_fast_paths_for_atom_containers_still_find_arrays() -> None:
     assert rows[:2] == [[1], [2]] and ids["req-0"] == 0 and flat[:3] == ["req-0", 7, None]
 
 
+@pytest.mark.needs_vllm("compiled-graph executor")  # where vLLM calls the detach
 def test_apply_replaces_the_function_vllm_calls(detach_mode) -> None:
     from vllm.v1.executor import ray_executor, ray_utils
 

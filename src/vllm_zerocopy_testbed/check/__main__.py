@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             say("speed: broadcast (local, remote) and arena, base and candidate taking turns, the idle side stopped")
             t0 = time.monotonic()
             result.speed = speed.run(base, candidate, out, say)
-            speed.charge_fixes(result.speed.cells, {r.path for r in result.rows if r.verdict == compare.FIXED})
+            speed.charge_fixes(result.speed.cells, {r.path for r in result.rows if r.verdict == compare.FIXED},
+                               frozenset(r.path for r in result.rows if r.verdict == compare.BROKE))
             result.steps["speed"] = round(time.monotonic() - t0, 1)
             if result.speed.error:
                 result.errors.append(f"speed: {result.speed.error}")

@@ -49,8 +49,9 @@ READER_TIMEOUT_S = 900.0  # a stopped side's readers wait this long for their ne
 REPLY_TIMEOUT_S = 180.0
 
 SLOWER, FASTER, SAME_SPEED = "BROKE (speed)", "faster", "same"
-# Slower on a path where the candidate FIXED a property: the fix's price, shown and not red (a fix is good
-# news; what it costs is the reviewer's call). Slower anywhere else is BROKE (speed).
+# Slower on a path where the candidate FIXED a property and BROKE none: the fix's price, shown and not red (a
+# fix is good news; what it costs is the reviewer's call). Slower anywhere else is BROKE (speed): also on a
+# path where the change fixed one property and broke another, which is a different change than a fix.
 FIX_COST = "cost of the fix"
 
 
@@ -59,10 +60,12 @@ def row_path(cell_path: str) -> str:
     return cell_path.split()[0]
 
 
-def charge_fixes(cells: list["SpeedCell"], fixed_paths: set[str]) -> None:
-    """Turn BROKE (speed) into the cost of the fix where the candidate FIXED a property on that path."""
+def charge_fixes(cells: list["SpeedCell"], fixed_paths: set[str], broken_paths: frozenset[str] = frozenset()) -> None:
+    """Turn BROKE (speed) into the cost of the fix where the candidate FIXED a property on that path and broke
+    none there."""
     for cell in cells:
-        if cell.verdict == SLOWER and row_path(cell.path) in fixed_paths:
+        path = row_path(cell.path)
+        if cell.verdict == SLOWER and path in fixed_paths and path not in broken_paths:
             cell.verdict = FIX_COST
 
 
