@@ -243,3 +243,12 @@ def test_the_e2e_tier_leaves_out_the_tests_of_the_testbeds_own_cluster() -> None
     for nodeid in left_out:  # a renamed test would be silently run again
         path, _, name = nodeid.partition("::")
         assert f"def {name}(" in (Path(__file__).parents[2] / path).read_text(), nodeid
+
+
+def test_the_noise_of_two_processes_of_one_code_is_a_band_either_way() -> None:
+    """A second base process 13% faster than the first says a candidate's process may be 13% faster or
+    slower by chance: a candidate x1.12 against it is no slowdown."""
+    noise = speed._both_ways(Ratio(median=0.87, spread=0.05, low=0.85, high=0.90, n=32))
+    assert noise.low == 0.85 and noise.high > 1.17
+    candidate = Ratio(median=1.12, spread=0.05, low=1.05, high=1.15, n=32)
+    assert speed.speed_verdict(candidate, noise) == speed.SAME_SPEED

@@ -49,6 +49,7 @@ READER_TIMEOUT_S = 900.0  # a stopped side's readers wait this long for their ne
 REPLY_TIMEOUT_S = 180.0
 
 SLOWER, FASTER, SAME_SPEED = "BROKE (speed)", "faster", "same"
+AGAIN = "base-again"  # a second process of the base: the noise of a cell where processes differ (the detach)
 # Slower on a path where the candidate FIXED a property and BROKE none: the fix's price, shown and not red (a
 # fix is good news; what it costs is the reviewer's call). Slower anywhere else is BROKE (speed): also on a
 # path where the change fixed one property and broke another, which is a different change than a fix.
@@ -217,10 +218,10 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
         if lacking:
             result.skipped.append(f"detach: the {' and the '.join(lacking)} has no Ray output detach")
         else:
-            # The detach allocates and copies: timed in the processes that just sent 8 MiB messages, it
-            # ran in allocators that history had made unequal (glibc raises its mmap threshold after a
-            # large free, so a side that freed more copied from the heap, without page faults): an
-            # unchanged detach read x0.81 "faster" beside a slower broadcast. Fresh processes for it.
+            # The detach takes ~25 us a call: one process runs it several percent faster or slower than
+            # another of the same code (an unchanged detach read x0.81-x1.11 in different checks, where
+            # one process against itself varied less). Its noise is therefore a second base process
+            # against the first, in fresh processes taking turns with the candidate's.
             children = _fresh(children, base, candidate, out, result)
             for shape in DETACH_SHAPES:
                 cell = _measure_cell(children, "detach", 0, {"op": "detach", "shape": shape})
@@ -231,18 +232,20 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
         result.error = str(exc)
     finally:
         for label, child in children.items():
-            result.peak_rss_bytes[label] = max(result.peak_rss_bytes.get(label, 0), child.close())
+            result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
     result.seconds = round(time.monotonic() - start, 1)
     return result
 
 
 def _fresh(children: dict[str, Child], base: Side, candidate: Side, out: Path, result: SpeedRun) -> dict[str, Child]:
-    """End both sides' benchmark processes (their peak RSS kept) and start a new one each."""
+    """End both sides' benchmark processes (their peak RSS kept) and start a new one each, and a second
+    one of the base (``AGAIN``): the noise between two processes of the same code."""
     for label, child in children.items():
-        result.peak_rss_bytes[label] = max(result.peak_rss_bytes.get(label, 0), child.close())
+        result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
     children.clear()  # the caller's finally closes what is in it: never a process closed twice
     children["base"] = Child(base, out / "speed-base-detach.log")
     children["candidate"] = Child(candidate, out / "speed-candidate-detach.log")
+    children[AGAIN] = Child(base, out / "speed-base-again-detach.log")
     for child in children.values():  # both import and build their outputs at once: not measured
         child.send({"op": "detach", "shape": DETACH_SHAPES[0], "count": 1, "min_s": 0.0})
     for child in children.values():
@@ -258,13 +261,26 @@ def _say_cell(say: Callable[[str], None], cell: SpeedCell) -> None:
         + f": {'slower' if cell.verdict == SLOWER else cell.verdict}")  # judged once every row is known
 
 
+def _both_ways(noise: Ratio) -> Ratio:
+    """Two processes of the same code, as a noise band either way: which of them is the faster one is
+    chance, so a second process x0.87 of the first says a candidate's process may read x0.87 or x1.15."""
+    low, high = min(noise.low, 1 / noise.high), max(noise.high, 1 / noise.low)
+    return Ratio(noise.median, noise.spread, low, high, noise.n)
+
+
+def _side(label: str) -> str:
+    return "base" if label == AGAIN else label
+
+
 def _measure_cell(children: dict[str, Child], path: str, nbytes: int, op: dict) -> SpeedCell:
-    order = ["base", "candidate"]
-    values: dict[str, list[float]] = {"base": [], "candidate": []}
-    held: dict[str, list[float]] = {"base": [], "candidate": []}
+    """Every process takes turns (the first rotated each round); the noise is the base against itself a
+    round later, or, where a second base process runs (``AGAIN``), that process against the first."""
+    order = list(children)
+    values: dict[str, list[float]] = {label: [] for label in order}
+    held: dict[str, list[float]] = {label: [] for label in order}
     started = time.monotonic()
     for i in range(ROUNDS):
-        for label in order[i % 2:] + order[:i % 2]:
+        for label in order[i % len(order):] + order[:i % len(order)]:
             child = children[label]
             answer = child.ask({**op, "count": PER_TURN, "min_s": TURN_S})
             child.pause()
@@ -273,7 +289,8 @@ def _measure_cell(children: dict[str, Child], path: str, nbytes: int, op: dict) 
         if i + 1 >= MIN_ROUNDS and time.monotonic() - started > CELL_BUDGET_S:
             break
     ratio = paired(values["candidate"], values["base"])
-    noise = self_ratio(values["base"], period=2)
+    noise = _both_ways(paired(values[AGAIN], values["base"])) if AGAIN in values else \
+        self_ratio(values["base"], period=2)
     return SpeedCell(path, nbytes, sample(values["base"]).median_ms, sample(values["candidate"]).median_ms, ratio,
                      noise, speed_verdict(ratio, noise), sample(held["base"]).median_ms,
                      sample(held["candidate"]).median_ms, len(values["base"]))
