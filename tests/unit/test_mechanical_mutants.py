@@ -275,3 +275,30 @@ def test_equivalence_patterns_match_whole_keys_with_star_only() -> None:
     assert mechanical.equivalent_reason("shm::f::a[0 : m], -> a[1 : n],", table) == ""  # "[" is literal
     assert mechanical.equivalent_reason("shm::g::x -> y", table) == "because"
     assert mechanical.equivalent_reason("shm::g::x -> yz", table) == ""
+
+
+def test_the_coverage_run_says_how_far_it_is_while_it_runs(tmp_path, monkeypatch) -> None:
+    """The coverage run takes about 20 minutes on 2 cores: it says its share of the tests every minute."""
+    import sys
+
+    from vllm_zerocopy_testbed.mutants import coverage_map
+
+    monkeypatch.setattr(coverage_map, "PROGRESS_EVERY_S", 0.2)
+    said: list[str] = []
+    script = "import sys, time; print('..... [ 40%]', flush=True); time.sleep(1.5)"
+    status = coverage_map._run_with_progress([sys.executable, "-c", script], {}, tmp_path / "log", said.append)
+    assert status == 0
+    assert any(line.startswith("coverage map: 40% of the tests [") for line in said), said
+
+
+def test_a_change_on_a_line_of_a_multi_line_condition_is_seen_by_the_tests_that_ran_the_condition() -> None:
+    """coverage.py traces a condition spread over lines line by line and never its ``if (`` line: a
+    change on either is judged by the tests that ran the condition (once read as uncovered: vLLM's
+    ``_reduce_tensor`` tests the tensor on three lines under an ``if (``)."""
+    source = "def f(x):\n    if (\n        x\n        and x > 2\n    ):\n        return 1\n    return 0\n"
+    cmap = cm.CoverageMap("k", {"m": {"f": ["t::a"]}}, {"t::a": cm.TestRecord("passed", 1.0)},
+                          lines={"m": [3, 4, 6]}, line_tests={"m": {"3": ["t::a"], "4": ["t::a"], "6": ["t::a"]}})
+    for line in (2, 3, 4, 5):  # the head of the if, its ``if (`` line included
+        assert cmap.ran_line("m", source, line), line
+        assert cmap.tests_for_lines("m", source, [line], "f") == ["t::a"], line
+    assert not cmap.ran_line("m", source, 7)  # the last return never ran

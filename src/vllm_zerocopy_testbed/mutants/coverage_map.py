@@ -19,11 +19,14 @@ import hashlib
 import json
 import logging
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from vllm_zerocopy_testbed.config import REPO_ROOT, process_env
 
@@ -154,6 +157,27 @@ def statement_line(source: str, line: int) -> int:
     return best[0] if best is not None else line
 
 
+def traced_lines(source: str, line: int) -> tuple[int, ...]:
+    """The lines under which coverage.py may have recorded ``line`` running: the line itself, then every
+    line of the head of its innermost statement (a simple statement whole; an ``if``/``while``/``with``/...
+    up to its body). A condition spread over several lines is traced line by line, and its ``if (``
+    line, without code of its own, never: a change there ran if any line of the head ran."""
+    head = next((span for span in _statement_heads(source) if span[0] <= line <= span[1]), None)
+    return tuple(dict.fromkeys((line, *(range(head[0], head[1] + 1) if head else ()))))
+
+
+@functools.lru_cache(maxsize=16)
+def _statement_heads(source: str) -> tuple[tuple[int, int], ...]:
+    """Every statement's head (first line, last line before its body), innermost first."""
+    heads = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            last = body[0].lineno - 1 if isinstance(body, list) and body else (node.end_lineno or node.lineno)
+            heads.append((node.lineno, max(node.lineno, last)))
+    return tuple(sorted(heads, key=lambda span: span[1] - span[0]))
+
+
 @functools.lru_cache(maxsize=16)
 def _statement_spans(source: str) -> tuple[tuple[int, int], ...]:
     return tuple((n.lineno, n.end_lineno or n.lineno) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt))
@@ -202,7 +226,8 @@ class CoverageMap:
         """Whether some test ran the statement holding ``line`` (True when the map does not know)."""
         if module not in self.lines:
             return True
-        return statement_line(source, line) in set(self.lines[module])
+        ran = set(self.lines[module])
+        return any(at in ran for at in traced_lines(source, line))
 
     def tests_for(self, module: str, qualname: str) -> list[str]:
         """Return the green tests that ran ``module``'s ``qualname``, fastest first."""
@@ -223,7 +248,7 @@ class CoverageMap:
         if per_line is None:
             green = self.tests_for(module, qualname)
         else:
-            ran = {t for line in lines for t in per_line.get(str(statement_line(source, line)), ())}
+            ran = {t for line in lines for at in traced_lines(source, line) for t in per_line.get(str(at), ())}
             green = sorted((t for t in ran if t in self.tests and self.tests[t].outcome in GREEN),
                            key=lambda t: (self.tests[t].seconds, t))
         lead = [t for t in first if t in green]
@@ -312,7 +337,32 @@ def _write_harness(folder: Path, files: dict[str, Path]) -> Path:
     return rc
 
 
-def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: str) -> CoverageMap:
+PROGRESS = re.compile(r"\[\s*(\d+)%\]")  # pytest -q ends each line of dots with its share done
+PROGRESS_EVERY_S = 60.0
+
+
+def _run_with_progress(cmd: list[str], env: dict[str, str], log_path: Path, say: Callable[[str], None]) -> int:
+    """Run ``cmd`` (its output to ``log_path``), saying every minute how far pytest is; bounded by
+    ``COVERAGE_RUN_TIMEOUT_S`` (its session killed past it); return its exit status."""
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        started = time.monotonic()
+        while True:
+            try:
+                return proc.wait(timeout=PROGRESS_EVERY_S)
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - started
+                if elapsed > COVERAGE_RUN_TIMEOUT_S:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    raise RuntimeError(f"the coverage run passed its bound ({COVERAGE_RUN_TIMEOUT_S} s): see {log_path}")
+                done = PROGRESS.findall(log_path.read_text(errors="replace"))
+                say(f"coverage map: {done[-1] + '% of the tests' if done else 'starting'} [{elapsed:.0f} s]")
+
+
+def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: str,
+          say: Callable[[str], None] = log.info) -> CoverageMap:
     """Run ``request``'s tests under coverage in ``folder``; return the map of ``files`` (module -> path)."""
     import coverage
 
@@ -328,12 +378,11 @@ def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: s
            "-p", "vllm_zerocopy_testbed.mutants.coverage_plugin"]
     log.info("coverage run: %s", " ".join(cmd))
     started = time.monotonic()
-    with open(folder / "pytest.log", "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=COVERAGE_RUN_TIMEOUT_S, start_new_session=True)
+    returncode = _run_with_progress(cmd, env, folder / "pytest.log", say)
     wall = time.monotonic() - started
-    if proc.returncode not in (0, 1) or not outcomes.exists():
-        raise RuntimeError(f"the coverage run ended with pytest status {proc.returncode}: see {folder / 'pytest.log'}")
+    if returncode not in (0, 1) or not outcomes.exists():
+        raise RuntimeError(f"the coverage run ended with pytest status {returncode}: see {folder / 'pytest.log'}")
+    say(f"coverage map: the tests ran in {wall:.0f} s; combining the per-test data")
     tests = {k: TestRecord(**v) for k, v in json.loads(outcomes.read_text()).items()}
     cov = coverage.Coverage(config_file=str(rc))
     cov.combine(data_paths=[str(folder)], keep=False)
@@ -353,14 +402,15 @@ def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: s
     return CoverageMap(key, by_module, tests, round(session, 1), asdict(request), ran, per_line)
 
 
-def load_or_build(files: dict[str, Path], request: CoverageRequest, cache: Path) -> tuple[CoverageMap, bool]:
+def load_or_build(files: dict[str, Path], request: CoverageRequest, cache: Path,
+                  say: Callable[[str], None] = log.info) -> tuple[CoverageMap, bool]:
     """Return the cached map for these sources and tests (building it first if there is none), and whether it
     was built now."""
     key = map_key({m: p.read_text() for m, p in files.items()}, request)
     path = cache / f"coverage-{key}.json"
     if path.exists():
         return CoverageMap.from_json(path.read_text()), False
-    cmap = build(files, request, cache / f"coverage-{key}", key)
+    cmap = build(files, request, cache / f"coverage-{key}", key, say)
     cache.mkdir(parents=True, exist_ok=True)
     path.write_text(cmap.to_json())
     return cmap, True
