@@ -90,6 +90,9 @@ EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_*::spinloop(* -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::metadata_buffer[0 : self.local_reader_rank + 1], -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::timeout=SPINLOOP_TIMEOUT_SECONDS, -> *": _SPINLOOP_OFF,
+    "shm_broadcast::MessageQueue.enqueue.oob_callback::return False -> return None": (
+        "pickle keeps a buffer out of band when buffer_callback returns any false value (the pickle module's "
+        "documentation of Pickler's buffer_callback: 'a false value (such as None)'): the same stream"),
 }
 
 
@@ -500,7 +503,7 @@ def run_full(selection: Selection, out: Path, request: coverage_map.CoverageRequ
                 say(f"  {p.module.rsplit('.', 1)[-1]}:{p.line} {p.function} {p.operator}#{p.occurrence}")
             return {}
         say(f"coverage map: {' '.join(request.pytest_args())}")
-        cmap, built = coverage_map.load_or_build(files, request, cache)
+        cmap, built = coverage_map.load_or_build(files, request, cache, say)
         say(f"coverage map {'built' if built else 'cached'}: {len(cmap.tests)} tests, red (no judges): "
             f"{cmap.red() or 'none'}; pytest start {cmap.session_seconds:.0f} s")
         sources = {m: p.read_text() for m, p in files.items()}
