@@ -110,3 +110,19 @@ def test_mutating_after_enqueue_never_reaches_readers(path, kind, broadcast_mode
         reports = harness.collect()
     for rank, report in reports.items():
         assert report["x"].digest == expected["x"].digest, f"reader {rank} saw bytes written after enqueue"
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES.values(), ids=TOPOLOGIES.keys())
+def test_tensors_torch_reduces_itself_and_empty_ones_arrive_as_sent(topology: QueueTopology, broadcast_mode) -> None:
+    """A tensor that requires grad keeps it, below and above 1 MiB: vLLM leaves it to torch's own
+    reduction, where the out-of-band view of its bytes would arrive without it. An empty tensor has no
+    bytes to rebuild from and arrives with its shape and dtype. Both were never sent before, and
+    mechanical mutants of the reducer's condition and the rebuild's empty branch survived."""
+    payload = {"grad": torch.linspace(-1, 1, 64).requires_grad_(),
+               "grad_above": torch.linspace(-1, 1, MiB // 4 + 16).requires_grad_(),
+               "empty": torch.empty(0, 4), "empty_bf16": torch.empty(3, 0, dtype=torch.bfloat16)}
+    with MessageQueueHarness(topology, broadcast_mode, timeout=20) as harness:
+        reports = harness.broadcast(payload)
+    expected = describe(payload)
+    for rank, report in reports.items():
+        assert report == expected, f"reader {rank} got {report}"
