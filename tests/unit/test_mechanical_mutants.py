@@ -302,3 +302,18 @@ def test_a_change_on_a_line_of_a_multi_line_condition_is_seen_by_the_tests_that_
         assert cmap.ran_line("m", source, line), line
         assert cmap.tests_for_lines("m", source, [line], "f") == ["t::a"], line
     assert not cmap.ran_line("m", source, 7)  # the last return never ran
+
+
+def test_a_survivor_judged_under_other_tests_is_judged_again_and_a_killed_one_is_not() -> None:
+    """A test written for a survivor changes the coverage map: the survivor (and an uncovered mutant) is
+    judged again by the next run; a mutant already killed stays killed."""
+    import json
+    from types import SimpleNamespace
+
+    def result(fate: str, key: str) -> SimpleNamespace:
+        return SimpleNamespace(output=json.dumps({"fate": fate, "map_key": key}))
+
+    db = SimpleNamespace(results=[("a", result(mechanical.SURVIVED, "old")), ("b", result(mechanical.UNCOVERED, "old")),
+                                  ("c", result(mechanical.KILLED, "old")), ("d", result(mechanical.SURVIVED, "new")),
+                                  ("e", SimpleNamespace(output=json.dumps({"fate": mechanical.SURVIVED})))])
+    assert mechanical.stale(db, "new") == {"a", "b", "e"}

@@ -338,6 +338,7 @@ class Verdict:
     loads: int = 0
     equivalent: str = ""
     killer: str = ""  # the killing test's node id, as the coverage map names it
+    map_key: str = ""  # the coverage map (tests and testbed) it was judged under
 
     @property
     def key(self) -> str:
@@ -365,7 +366,8 @@ def judge_one(planned: Planned, session: Session, cmap: coverage_map.CoverageMap
 
     _install_provider()
     pristine = session.sources[planned.module]
-    verdict = Verdict(planned.job_id, planned.module, planned.function, planned.operator, planned.line, "", ERROR)
+    verdict = Verdict(planned.job_id, planned.module, planned.function, planned.operator, planned.line, "", ERROR,
+                      map_key=cmap.key)
     operator = cosmic_ray.plugins.get_operator(planned.operator)()
     mutated = mutate_code(pristine, operator, planned.occurrence)
     if mutated is None:
@@ -456,6 +458,17 @@ def estimate(todo: list[Planned], cmap: coverage_map.CoverageMap, sources: dict[
     return total
 
 
+def stale(db, current: str) -> set[str]:
+    """The mutants to judge again: those that survived or were uncovered under another coverage map (the
+    tests or the testbed changed since: a test added for a survivor may kill it now). Killed stays killed."""
+    found = set()
+    for job, result in db.results:
+        data = json.loads(result.output or "{}")
+        if data.get("fate") in (SURVIVED, UNCOVERED) and data.get("map_key", "") != current:
+            found.add(job)
+    return found
+
+
 def verdicts(db) -> list[Verdict]:
     """Return every judged (not skipped) mutant of a session from its results."""
     found = []
@@ -484,9 +497,10 @@ def run_full(selection: Selection, out: Path, request: coverage_map.CoverageRequ
         planned: list[tuple[Planned, Session, object]] = []
         done: set[str] = set()
         say(f"{len(operator_names())} operators; a session per module under {cache}:")
+        current = coverage_map.map_key({m: p.read_text() for m, p in files.items()}, request)
         for (session, created), db in zip(sessions, dbs):
             mine = plan(session, db)
-            judged = {job for job, _ in db.results}
+            judged = {job for job, _ in db.results} - stale(db, current)
             done |= judged
             planned += [(p, session, db) for p in mine]
             live = [p for p in mine if not p.skipped]
