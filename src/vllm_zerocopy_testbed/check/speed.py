@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,10 +118,12 @@ class SpeedError(RuntimeError):
 class Child:
     """One side's ``speed_child`` process, in a session (and process group) of its own."""
 
-    def __init__(self, side: Side, log: Path) -> None:
+    def __init__(self, side: Side, log: Path, rpc_dir: str) -> None:
         self.side = side
         read, write = os.pipe()
-        env = {**side_env(side), REPLY_FD_ENV: str(write)}
+        # vLLM binds its readers' ZMQ IPC sockets under VLLM_RPC_BASE_PATH (/tmp by default) and leaves
+        # them when its process is ended: every check left four there. A folder of the run's, removed.
+        env = {**side_env(side), REPLY_FD_ENV: str(write), "VLLM_RPC_BASE_PATH": rpc_dir}
         self._log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "vllm_zerocopy_testbed.check.speed_child"],
                                      cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=self._log,
@@ -202,8 +206,11 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
             result.skipped.append(f"{path}: the {' and the '.join(lacking)} has no tensor arena")
             continue
         cells.append((path, topology, sizes))
-    children = {"base": Child(base, out / "speed-base.log"), "candidate": Child(candidate, out / "speed-candidate.log")}
+    rpc_dir = tempfile.mkdtemp(prefix="testbed-ipc-check-")
+    children: dict[str, Child] = {}
     try:
+        children["base"] = Child(base, out / "speed-base.log", rpc_dir)
+        children["candidate"] = Child(candidate, out / "speed-candidate.log", rpc_dir)
         for path, topology, sizes in cells:
             for child in children.values():  # both start their readers at once: start-up is not measured
                 child.send({"op": "open", "topology": topology, "timeout": READER_TIMEOUT_S})
@@ -222,7 +229,7 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
             # another of the same code (an unchanged detach read x0.81-x1.11 in different checks, where
             # one process against itself varied less). Its noise is therefore a second base process
             # against the first, in fresh processes taking turns with the candidate's.
-            children = _fresh(children, base, candidate, out, result)
+            children = _fresh(children, base, candidate, out, result, rpc_dir)
             for shape in DETACH_SHAPES:
                 cell = _measure_cell(children, "detach", 0, {"op": "detach", "shape": shape})
                 cell.shape = shape
@@ -233,19 +240,21 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
     finally:
         for label, child in children.items():
             result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
+        shutil.rmtree(rpc_dir, ignore_errors=True)
     result.seconds = round(time.monotonic() - start, 1)
     return result
 
 
-def _fresh(children: dict[str, Child], base: Side, candidate: Side, out: Path, result: SpeedRun) -> dict[str, Child]:
+def _fresh(children: dict[str, Child], base: Side, candidate: Side, out: Path, result: SpeedRun,
+           rpc_dir: str) -> dict[str, Child]:
     """End both sides' benchmark processes (their peak RSS kept) and start a new one each, and a second
     one of the base (``AGAIN``): the noise between two processes of the same code."""
     for label, child in children.items():
         result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
     children.clear()  # the caller's finally closes what is in it: never a process closed twice
-    children["base"] = Child(base, out / "speed-base-detach.log")
-    children["candidate"] = Child(candidate, out / "speed-candidate-detach.log")
-    children[AGAIN] = Child(base, out / "speed-base-again-detach.log")
+    children["base"] = Child(base, out / "speed-base-detach.log", rpc_dir)
+    children["candidate"] = Child(candidate, out / "speed-candidate-detach.log", rpc_dir)
+    children[AGAIN] = Child(base, out / "speed-base-again-detach.log", rpc_dir)
     for child in children.values():  # both import and build their outputs at once: not measured
         child.send({"op": "detach", "shape": DETACH_SHAPES[0], "count": 1, "min_s": 0.0})
     for child in children.values():
