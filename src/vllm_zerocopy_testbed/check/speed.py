@@ -238,8 +238,7 @@ def run(base: Side, candidate: Side, out: Path, say: Callable[[str], None]) -> S
     except SpeedError as exc:
         result.error = str(exc)
     finally:
-        for label, child in children.items():
-            result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
+        _close(children, result)
         shutil.rmtree(rpc_dir, ignore_errors=True)
     result.seconds = round(time.monotonic() - start, 1)
     return result
@@ -249,9 +248,7 @@ def _fresh(children: dict[str, Child], base: Side, candidate: Side, out: Path, r
            rpc_dir: str) -> dict[str, Child]:
     """End both sides' benchmark processes (their peak RSS kept) and start a new one each, and a second
     one of the base (``AGAIN``): the noise between two processes of the same code."""
-    for label, child in children.items():
-        result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
-    children.clear()  # the caller's finally closes what is in it: never a process closed twice
+    _close(children, result)
     children["base"] = Child(base, out / "speed-base-detach.log", rpc_dir)
     children["candidate"] = Child(candidate, out / "speed-candidate-detach.log", rpc_dir)
     children[AGAIN] = Child(base, out / "speed-base-again-detach.log", rpc_dir)
@@ -268,6 +265,14 @@ def _say_cell(say: Callable[[str], None], cell: SpeedCell) -> None:
         f"x{cell.ratio.median:.2f} [{cell.ratio.low:.2f}-{cell.ratio.high:.2f}]"
         + (f", A/A [{cell.noise.low:.2f}-{cell.noise.high:.2f}]" if cell.noise else "")
         + f": {'slower' if cell.verdict == SLOWER else cell.verdict}")  # judged once every row is known
+
+
+def _close(children: dict[str, Child], result: SpeedRun) -> None:
+    """End every process in ``children`` and empty it (never a process closed twice); each side keeps
+    the largest peak RSS of its processes."""
+    for label, child in children.items():
+        result.peak_rss_bytes[_side(label)] = max(result.peak_rss_bytes.get(_side(label), 0), child.close())
+    children.clear()
 
 
 def _both_ways(noise: Ratio) -> Ratio:

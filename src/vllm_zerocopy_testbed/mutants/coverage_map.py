@@ -20,8 +20,6 @@ import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -342,23 +340,20 @@ PROGRESS_EVERY_S = 60.0
 
 
 def _run_with_progress(cmd: list[str], env: dict[str, str], log_path: Path, say: Callable[[str], None]) -> int:
-    """Run ``cmd`` (its output to ``log_path``), saying every minute how far pytest is; bounded by
-    ``COVERAGE_RUN_TIMEOUT_S`` (its session killed past it); return its exit status."""
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        started = time.monotonic()
-        while True:
-            try:
-                return proc.wait(timeout=PROGRESS_EVERY_S)
-            except subprocess.TimeoutExpired:
-                elapsed = time.monotonic() - started
-                if elapsed > COVERAGE_RUN_TIMEOUT_S:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    raise RuntimeError(f"the coverage run passed its bound ({COVERAGE_RUN_TIMEOUT_S} s): see {log_path}")
-                done = PROGRESS.findall(log_path.read_text(errors="replace"))
-                say(f"coverage map: {done[-1] + '% of the tests' if done else 'starting'} [{elapsed:.0f} s]")
+    """Run ``cmd`` (its output to ``log_path``) within ``COVERAGE_RUN_TIMEOUT_S`` (``check.side``'s bounded
+    runner: interrupted, then its session killed), saying every minute how far pytest is; return its exit
+    status."""
+    from vllm_zerocopy_testbed.check.side import run_bounded
+
+    def tick(elapsed: float) -> None:
+        done = PROGRESS.findall(log_path.read_text(errors="replace"))
+        say(f"coverage map: {done[-1] + '% of the tests' if done else 'starting'} [{elapsed:.0f} s]")
+
+    returncode, bound, *_ = run_bounded(cmd, env=env, log=log_path, bound_s=COVERAGE_RUN_TIMEOUT_S, tick=tick,
+                                        tick_s=PROGRESS_EVERY_S)
+    if bound or returncode is None:
+        raise RuntimeError(f"the coverage run {bound or 'was killed'}: see {log_path}")
+    return returncode
 
 
 def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: str,
