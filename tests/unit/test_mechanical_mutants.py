@@ -317,3 +317,72 @@ def test_a_survivor_judged_under_other_tests_is_judged_again_and_a_killed_one_is
                                   ("c", result(mechanical.KILLED, "old")), ("d", result(mechanical.SURVIVED, "new")),
                                   ("e", SimpleNamespace(output=json.dumps({"fate": mechanical.SURVIVED})))])
     assert mechanical.stale(db, "new") == {"a", "b", "e"}
+
+
+def _tree(root: Path, **tests: str) -> None:
+    for folder in ("tests/component", "src/vllm_zerocopy_testbed"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / "tests" / "conftest.py").write_text("# shared\n")
+    for name, text in tests.items():
+        (root / "tests" / "component" / f"{name}.py").write_text(text)
+
+
+def test_the_base_key_leaves_out_test_files_only(tmp_path: Path) -> None:
+    _tree(tmp_path, test_a="a = 1\n")
+    request = cm.CoverageRequest(("tests",), "unit or component")
+    key, base = cm.map_key({"m": SOURCE}, request, tmp_path), cm.base_key({"m": SOURCE}, request, tmp_path)
+    (tmp_path / "tests" / "component" / "test_a.py").write_text("a = 2\n")
+    assert cm.map_key({"m": SOURCE}, request, tmp_path) != key
+    assert cm.base_key({"m": SOURCE}, request, tmp_path) == base
+    assert list(cm.test_file_digests(tmp_path)) == ["tests/component/test_a.py"]
+    (tmp_path / "tests" / "conftest.py").write_text("# shared, changed\n")  # every test may run otherwise now
+    assert cm.base_key({"m": SOURCE}, request, tmp_path) != base
+
+
+def test_a_map_is_built_from_one_that_differs_in_test_files_by_measuring_those_alone(tmp_path, monkeypatch) -> None:
+    """After a new test, the map takes a minute or two (its file's tests), not the twenty of every test."""
+    root, cache = tmp_path / "repo", tmp_path / "cache"
+    _tree(root, test_a="a = 1\n", test_b="b = 1\n", test_c="c = 1\n")
+    module = root / "m.py"
+    module.write_text(SOURCE)
+    request = cm.CoverageRequest(("tests",), "unit or component")
+    runs: list[tuple[tuple[str, ...], bool]] = []
+
+    def fake_build(files, req, folder, key, say=None, partial=False):
+        runs.append((req.paths, partial))
+        if not partial:  # a: lines 8 and 9 (Ring.acquire), b: 19 (Ring.free), c: 23 (top)
+            line_tests = {"8": ["tests/component/test_a.py::t1"], "9": ["tests/component/test_a.py::t1"],
+                          "19": ["tests/component/test_b.py::t2"], "23": ["tests/component/test_c.py::t3"]}
+            tests = {t: cm.TestRecord("passed", 1.0) for t in ("tests/component/test_a.py::t1",
+                                                               "tests/component/test_b.py::t2",
+                                                               "tests/component/test_c.py::t3")}
+            return cm.CoverageMap(key, cm.functions_from_lines(SOURCE, {int(k): v for k, v in line_tests.items()}),
+                                  tests, 20.0, {}, {}, {"m": line_tests})
+        # the changed a: its new test runs Ring.free only; the new file d's test runs top
+        line_tests = {"19": ["tests/component/test_a.py::t1b"], "23": ["tests/component/test_d.py::t4"]}
+        tests = {"tests/component/test_a.py::t1b": cm.TestRecord("passed", 2.0),
+                 "tests/component/test_d.py::t4": cm.TestRecord("failed", 3.0)}
+        return cm.CoverageMap(key, {}, tests, 0.0, {}, {}, {"m": line_tests})
+
+    monkeypatch.setattr(cm, "build", fake_build)
+    first, built = cm.load_or_build({"m": module}, request, cache, root=root)
+    assert built and runs == [(("tests",), False)]
+    assert cm.load_or_build({"m": module}, request, cache, root=root) == (first, False)  # the same tree: cached
+    (root / "tests" / "component" / "test_a.py").write_text("a = 2\n")
+    (root / "tests" / "component" / "test_d.py").write_text("d = 1\n")
+    (root / "tests" / "component" / "test_c.py").unlink()
+    said: list[str] = []
+    second, built = cm.load_or_build({"m": module}, request, cache, said.append, root=root)
+    assert built and runs[1:] == [(("tests/component/test_a.py", "tests/component/test_d.py"), True)]
+    assert sorted(second.tests) == ["tests/component/test_a.py::t1b", "tests/component/test_b.py::t2",
+                                    "tests/component/test_d.py::t4"]
+    assert second.line_tests["m"] == {"19": ["tests/component/test_a.py::t1b", "tests/component/test_b.py::t2"],
+                                      "23": ["tests/component/test_d.py::t4"]}
+    assert second.functions["m"] == {"Ring.free": ["tests/component/test_a.py::t1b", "tests/component/test_b.py::t2"],
+                                     "top": ["tests/component/test_d.py::t4"]}
+    assert second.lines["m"] == [19, 23] and second.session_seconds == 20.0
+    assert second.key == cm.map_key({"m": SOURCE}, request, root) and second.key != first.key
+    assert "differs only in 3 test files" in said[0], said
+    (root / "tests" / "conftest.py").write_text("# changed\n")  # not a test file: every test again
+    cm.load_or_build({"m": module}, request, cache, root=root)
+    assert runs[2:] == [(("tests",), False)]

@@ -7,7 +7,8 @@ where coverage.py's own subprocess patches would carry the first test's label: a
 ``sitecustomize.py`` in a scratch folder starts coverage in every Python process with the label of
 the test running at that moment (an environment variable for spawned processes, a file read after
 ``fork`` for forked ones). It is stored as JSON under ``.cache/`` keyed by the digests of the
-measured sources, the tests and the testbed's code, and reused while none of them changes.
+measured sources, the tests and the testbed's code, and reused while none of them changes; when only
+test files changed, a map is built from the closest cached one by measuring those files alone.
 """
 
 from __future__ import annotations
@@ -219,6 +220,10 @@ class CoverageMap:
     # Per measured module, per statement line (a string: JSON keys), the tests that ran it; absent: only
     # the function is known, and a mutant is judged by every test of its function.
     line_tests: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # What a later map may reuse this one by: the key of everything but the test files (``base_key``), and
+    # each test file's digest; a map of older shape has neither and is never reused in part.
+    base_key: str = ""
+    test_files: dict[str, str] = field(default_factory=dict)
 
     def ran_line(self, module: str, source: str, line: int) -> bool:
         """Whether some test ran the statement holding ``line`` (True when the map does not know)."""
@@ -299,15 +304,32 @@ def digest(parts: list[str | bytes]) -> str:
 def map_key(sources: dict[str, str], request: CoverageRequest, root: Path = REPO_ROOT) -> str:
     """Return the key of a map: measured sources, the request, and every test and testbed source file
     (but this tool's own: it does not change what the tests run)."""
+    return digest(_key_parts(sources, request, root, test_files=True))
+
+
+def base_key(sources: dict[str, str], request: CoverageRequest, root: Path = REPO_ROOT) -> str:
+    """Return ``map_key`` without the test files (``test_*.py``): two maps with the same base differ only in
+    tests, so a map can be built from another by measuring the test files that changed."""
+    return digest(_key_parts(sources, request, root, test_files=False))
+
+
+def test_file_digests(root: Path = REPO_ROOT) -> dict[str, str]:
+    """Return each test file (``tests/**/test_*.py``, relative to ``root``) and its digest."""
+    return {str(path.relative_to(root)): digest([path.read_bytes()])
+            for path in sorted((root / "tests").rglob("test_*.py"))}
+
+
+def _key_parts(sources: dict[str, str], request: CoverageRequest, root: Path, test_files: bool) -> list[str | bytes]:
     parts: list[str | bytes] = [MAP_FORMAT, json.dumps(asdict(request), sort_keys=True)]
     for module in sorted(sources):
         parts += [module, sources[module]]
     tool = root / "src/vllm_zerocopy_testbed/mutants"
     for folder in ("tests", "src/vllm_zerocopy_testbed"):
         for path in sorted((root / folder).rglob("*.py")):
-            if tool not in path.parents:
-                parts += [str(path.relative_to(root)), path.read_bytes()]
-    return digest(parts)
+            if tool in path.parents or (not test_files and folder == "tests" and path.name.startswith("test_")):
+                continue
+            parts += [str(path.relative_to(root)), path.read_bytes()]
+    return parts
 
 
 def functions_from_lines(module_source: str, contexts_by_line: dict[int, list[str]]) -> dict[str, list[str]]:
@@ -357,8 +379,9 @@ def _run_with_progress(cmd: list[str], env: dict[str, str], log_path: Path, say:
 
 
 def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: str,
-          say: Callable[[str], None] = log.info) -> CoverageMap:
-    """Run ``request``'s tests under coverage in ``folder``; return the map of ``files`` (module -> path)."""
+          say: Callable[[str], None] = log.info, partial: bool = False) -> CoverageMap:
+    """Run ``request``'s tests under coverage in ``folder``; return the map of ``files`` (module -> path).
+    ``partial``: some test files only (``load_or_build``); none of their tests requested is an empty map."""
     import coverage
 
     rc = _write_harness(folder, files)
@@ -375,6 +398,9 @@ def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: s
     started = time.monotonic()
     returncode = _run_with_progress(cmd, env, folder / "pytest.log", say)
     wall = time.monotonic() - started
+    if partial and returncode == 5:  # pytest: no test collected
+        return CoverageMap(key, {m: {} for m in files}, {}, 0.0, asdict(request), {m: [] for m in files},
+                           {m: {} for m in files})
     if returncode not in (0, 1) or not outcomes.exists():
         raise RuntimeError(f"the coverage run ended with pytest status {returncode}: see {folder / 'pytest.log'}")
     say(f"coverage map: the tests ran in {wall:.0f} s; combining the per-test data")
@@ -398,17 +424,83 @@ def build(files: dict[str, Path], request: CoverageRequest, folder: Path, key: s
 
 
 def load_or_build(files: dict[str, Path], request: CoverageRequest, cache: Path,
-                  say: Callable[[str], None] = log.info) -> tuple[CoverageMap, bool]:
-    """Return the cached map for these sources and tests (building it first if there is none), and whether it
-    was built now."""
-    key = map_key({m: p.read_text() for m, p in files.items()}, request)
+                  say: Callable[[str], None] = log.info, root: Path = REPO_ROOT) -> tuple[CoverageMap, bool]:
+    """Return the cached map for these sources and tests, and whether it was built now.
+
+    Without one, a cached map that differs only in test files is the start: the changed and new test files
+    are measured (a minute or two for one file) and their tests replace that map's; else every test runs
+    (about 20 minutes on 2 cores).
+    """
+    sources = {m: p.read_text() for m, p in files.items()}
+    key = map_key(sources, request, root)
     path = cache / f"coverage-{key}.json"
     if path.exists():
         return CoverageMap.from_json(path.read_text()), False
-    cmap = build(files, request, cache / f"coverage-{key}", key, say)
+    base, digests = base_key(sources, request, root), test_file_digests(root)
+    prior = _closest(cache, base, digests)
+    if prior is None:
+        cmap = build(files, request, cache / f"coverage-{key}", key, say)
+    else:
+        changed = {f for f, d in digests.items() if prior.test_files.get(f) != d}
+        remeasured = changed | (set(prior.test_files) - set(digests))
+        wanted = sorted(f for f in changed if _requested(f, request))
+        say(f"coverage map: {prior.key} differs only in {len(remeasured)} test files: measuring "
+            f"{' '.join(wanted) or 'none of them (none is requested)'}")
+        part = (build(files, CoverageRequest(tuple(wanted), request.marker, request.select),
+                      cache / f"coverage-{key}", key, say, partial=True) if wanted else None)
+        cmap = merged(prior, part, remeasured, sources, key)
+        cmap.request = asdict(request)
+    cmap.base_key, cmap.test_files = base, digests
     cache.mkdir(parents=True, exist_ok=True)
     path.write_text(cmap.to_json())
     return cmap, True
+
+
+def _requested(test_file: str, request: CoverageRequest) -> bool:
+    """Whether ``request``'s paths hold ``test_file`` (a path relative to the repository)."""
+    return any(test_file == p or test_file.startswith(p.rstrip("/") + "/") for p in request.paths)
+
+
+def _closest(cache: Path, base: str, digests: dict[str, str]) -> CoverageMap | None:
+    """Return the cached map with base key ``base`` whose test files differ least from ``digests``, or None."""
+    best: tuple[int, float, CoverageMap] | None = None
+    for path in cache.glob("coverage-*.json"):
+        try:
+            head = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if head.get("base_key") != base:
+            continue
+        files = head.get("test_files", {})
+        differ = sum(files.get(f) != d for f, d in digests.items()) + len(set(files) - set(digests))
+        rank = (differ, -path.stat().st_mtime)
+        if best is None or rank < best[:2]:
+            best = (*rank, CoverageMap.from_json(path.read_text()))
+    return None if best is None else best[2]
+
+
+def merged(prior: CoverageMap, part: CoverageMap | None, remeasured: set[str], sources: dict[str, str],
+           key: str) -> CoverageMap:
+    """Return ``prior`` with the tests of the files ``remeasured`` (changed, new or gone) replaced by ``part``'s
+    (None: those files have no requested tests now); functions are derived again from the lines."""
+    def kept(tests) -> set[str]:
+        return {t for t in tests if t.partition("::")[0] not in remeasured}
+
+    tests = {t: prior.tests[t] for t in kept(prior.tests)}
+    line_tests: dict[str, dict[str, list[str]]] = {}
+    for module in sources:
+        per: dict[str, set[str]] = {line: kept(ts) for line, ts in prior.line_tests.get(module, {}).items()}
+        if part is not None:
+            for line, ts in part.line_tests.get(module, {}).items():
+                per.setdefault(line, set()).update(ts)
+        line_tests[module] = {line: sorted(ts) for line, ts in sorted(per.items(), key=lambda i: int(i[0])) if ts}
+    if part is not None:
+        tests.update(part.tests)
+    return CoverageMap(
+        key, {m: functions_from_lines(sources[m], {int(line): ts for line, ts in line_tests[m].items()})
+              for m in sources},
+        tests, prior.session_seconds, dict(prior.request), {m: [int(line) for line in line_tests[m]] for m in sources},
+        line_tests)
 
 
 def _mode_envs() -> frozenset[str]:
