@@ -122,10 +122,12 @@ class _CountingSocket:
     def __init__(self, socket) -> None:
         self._socket = socket
         self.sends = 0
+        self.frames: list[list[int]] = []  # per send, the byte size of each frame
 
-    def send_multipart(self, *args, **kwargs):
+    def send_multipart(self, msg_parts, *args, **kwargs):
         self.sends += 1
-        return self._socket.send_multipart(*args, **kwargs)
+        self.frames.append([memoryview(part).nbytes for part in msg_parts])
+        return self._socket.send_multipart(msg_parts, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._socket, name)
@@ -158,6 +160,35 @@ def test_the_ring_holds_a_message_up_to_its_chunk_and_overflows_one_byte_past_it
             harness.writer.local_socket = counter._socket
     assert sends == {chunk - 8: 0, chunk - 7: 0, chunk - 6: 1, chunk - 5: 1}, (
         f"overflow sends per stream size (chunk {chunk}): {sends}")
+
+
+def test_a_message_with_an_out_of_band_buffer_fills_its_chunk_exactly_and_overflows_one_byte_past_it(
+        broadcast_mode) -> None:
+    """Each out-of-band buffer takes 4 length bytes and its own in the chunk besides the stream's:
+    a 1 MiB array with a stream that fills the 2 MiB chunk to the byte stays in the ring, one byte
+    more goes to the overflow socket (the stream's size is read off a first message that overflows)."""
+    chunk = 2 * MiB
+    array = np.random.default_rng(7).integers(0, 256, MiB, dtype=np.uint8)  # exactly the out-of-band limit
+    topology = QueueTopology(local_readers=1, max_chunk_bytes=chunk)
+    with MessageQueueHarness(topology, broadcast_mode, timeout=20) as harness:
+        counter = _CountingSocket(harness.writer.local_socket)
+        harness.writer.local_socket = counter
+        try:
+            probe = {"array": array, "blob": bytes(chunk)}
+            harness.broadcast(probe)
+            assert counter.frames and counter.frames[-1][1:] == [MiB], (
+                f"the probe did not overflow with the array out of band: frames {counter.frames}")
+            overhead = counter.frames[-1][0] - chunk  # the stream beyond the blob's bytes
+            sends = {}
+            for past in (-1, 0, 1, 2):  # bytes the message needs beyond the chunk
+                stream = chunk + past - (3 + 4 + 4 + MiB)  # flag, count, two lengths, the array
+                payload = {"array": array, "blob": np.random.default_rng(past + 2).bytes(stream - overhead)}
+                before = counter.sends
+                assert harness.broadcast(payload)[1] == describe(payload), f"{past:+d} bytes: arrived different"
+                sends[past] = counter.sends - before
+        finally:
+            harness.writer.local_socket = counter._socket
+    assert sends == {-1: 0, 0: 0, 1: 1, 2: 1}, f"overflow sends per bytes past a {chunk}-byte chunk: {sends}"
 
 
 def test_a_tensor_leaves_the_stream_at_exactly_one_mib(broadcast_mode, expect) -> None:
