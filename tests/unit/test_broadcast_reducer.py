@@ -65,13 +65,23 @@ def test_roundtrip_keeps_special_tensors(make) -> None:
     assert type(back[0]) is type(tensor)
 
 
-def test_rebuilt_tensor_is_writable_and_aliases_only_writable_buffers() -> None:
+def _upstream_rebuild():
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    return shm_broadcast._rebuild_tensor
+
+
+@pytest.mark.parametrize("rebuild", [_upstream_rebuild, lambda: rebuild_tensor], ids=["upstream", "testbed"])
+def test_rebuilt_tensor_is_writable_and_aliases_only_writable_buffers(rebuild) -> None:
+    """A local reader's dequeue already copied the buffer out of the shared-memory ring into a bytearray
+    of its own: the tensor must be a view of it (a second copy doubles the reader's cost per message);
+    immutable bytes are copied, so a write never lands in them."""
     data = np.arange(1 << 18, dtype=np.float32)
     writable = bytearray(data.tobytes())
-    aliased = rebuild_tensor(writable, (1 << 18,), "float32")
-    assert aliased.data_ptr() == np.frombuffer(writable, np.uint8).ctypes.data, "bytearray is aliased"
+    aliased = rebuild()(writable, (1 << 18,), "float32")
+    assert aliased.data_ptr() == np.frombuffer(writable, np.uint8).ctypes.data, "the bytearray was copied"
     frozen = bytes(writable)
-    copied = rebuild_tensor(frozen, (1 << 18,), "float32")
+    copied = rebuild()(frozen, (1 << 18,), "float32")
     assert copied.data_ptr() != np.frombuffer(frozen, np.uint8).ctypes.data, "bytes are copied"
     copied[0] = 42.0  # a write must never land in an immutable bytes object
     assert frozen[:4] == data[:1].tobytes()
@@ -96,12 +106,6 @@ def test_off_policy_keeps_tensors_in_the_stream() -> None:
     big = torch.ones(OOB_MIN_BYTES // 4 * 2)
     frames = serialize({"big": big}, zero_copy_tensors=False)
     assert len(frames) == 1 and len(frames[0]) > big.numel() * 4
-
-
-def _upstream_rebuild():
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    return shm_broadcast._rebuild_tensor
 
 
 @pytest.mark.timeout(30)
