@@ -9,6 +9,7 @@ order, so a message overwritten, skipped or read twice shows as a wrong digest a
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_zerocopy_testbed.harness.message_queue import (READ_ERROR, RECEIVED_AT, MessageQueueHarness,
-                                                         QueueTopology, describe)
+from vllm_zerocopy_testbed.harness.message_queue import (LONG_WAITS, READ_ERROR, RECEIVED_AT, WAITED_S,
+                                                         MessageQueueHarness, QueueTopology, describe)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
@@ -99,6 +100,77 @@ def test_a_writer_ahead_of_every_reader_stops_at_a_full_ring(broadcast_mode) -> 
         assert in_ring == MAX_CHUNKS, (f"with every reader stopped the writer enqueued {in_ring} messages into "
                                        f"a ring of {MAX_CHUNKS} slots")
         _assert_in_order(harness, sent)
+
+
+class _LongWaits(logging.Handler):
+    """Counts the long-wait lines of vLLM's shm_broadcast logger in this process (the writer's)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.message, self.count = message, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.msg == self.message
+
+
+def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interval(broadcast_mode,
+                                                                                  monkeypatch) -> None:
+    """Readers stopped, ring full: ``enqueue(timeout=2.5)`` raises TimeoutError after 2.5 s, having
+    logged vLLM's long-wait line once a second (the interval set to 1 s): twice. Nothing was written,
+    so the readers get the ten messages in the ring and no more once they go on."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.setattr(shm_broadcast, "VLLM_RINGBUFFER_WARNING_INTERVAL", 1)
+    monkeypatch.setattr(shm_broadcast.logger, "level", logging.INFO)
+    waits = _LongWaits(shm_broadcast.LONG_WAIT_TIME_LOG_MSG)
+    shm_broadcast.logger.addHandler(waits)
+    sent = [_message(i) for i in range(MAX_CHUNKS)]
+    outcome: list[BaseException | None] = []
+    try:
+        with MessageQueueHarness(QueueTopology(local_readers=1, max_chunk_bytes=4 * MiB), broadcast_mode,
+                                 timeout=60) as harness:
+            harness.pause_readers()
+            try:
+                for payload in sent:
+                    harness.send(payload)
+
+                def one_more() -> None:
+                    try:
+                        harness.writer.enqueue(_message(MAX_CHUNKS), timeout=2.5)
+                        outcome.append(None)
+                    except BaseException as exc:  # the test reports it below
+                        outcome.append(exc)
+
+                started = time.monotonic()
+                writer = threading.Thread(target=one_more, name="testbed-writer-full-ring", daemon=True)
+                writer.start()
+                writer.join(timeout=20)
+                waited = time.monotonic() - started
+            finally:
+                harness.resume_readers()
+            writer.join(timeout=20)  # a writer that never gave up writes once the readers go on
+            assert outcome and isinstance(outcome[0], TimeoutError), (
+                f"enqueue(timeout=2.5) at a full ring: {outcome[0]!r} after {waited:.1f} s" if outcome else
+                f"enqueue(timeout=2.5) at a full ring still waited after {waited:.1f} s")
+            assert 2.4 <= waited < 10, f"enqueue(timeout=2.5) gave up after {waited:.2f} s"
+            _assert_in_order(harness, sent)
+    finally:
+        shm_broadcast.logger.removeHandler(waits)
+    assert waits.count == 2, f"{waits.count} long-wait lines in a 2.5 s wait with a 1 s interval (expected 2)"
+
+
+def test_a_reader_with_nothing_to_read_gives_up_at_its_timeout_and_says_so_each_interval(broadcast_mode,
+                                                                                       monkeypatch) -> None:
+    """A reader's ``dequeue(timeout=2.5)`` with nothing written raises TimeoutError after 2.5 s, having
+    logged vLLM's long-wait line once a second (the interval set to 1 s): twice."""
+    monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
+    with MessageQueueHarness(QueueTopology(local_readers=1), broadcast_mode, timeout=2.5) as harness:
+        report = harness.collect(within=30)[1]
+    assert report.get(READ_ERROR, "").startswith("TimeoutError"), f"the reader's read: {report}"
+    # vLLM rounds the time left down to whole milliseconds: the wait may end a millisecond early.
+    assert 2.4 <= report[WAITED_S] < 10, f"dequeue(timeout=2.5) gave up after {report[WAITED_S]:.2f} s"
+    assert report[LONG_WAITS] == 2, (
+        f"{report[LONG_WAITS]} long-wait lines in a 2.5 s wait with a 1 s interval (expected 2)")
 
 
 def test_a_reader_idle_past_its_busy_loop_wakes_at_the_next_message(broadcast_mode) -> None:

@@ -42,8 +42,11 @@ _CONTROL = "__testbed_control__"
 # Key of an ``ack_only`` report: ``time.perf_counter()`` in the reader once the message was
 # rebuilt; CLOCK_MONOTONIC, so comparable with the writer's on the same host.
 RECEIVED_AT = "received_at"
-# A reader that could not read a message reports why under this key, then exits.
+# A reader that could not read a message reports why under this key, then exits; with it, how long
+# its last read waited (``WAITED_S``) and how many of vLLM's long-wait lines it logged (``LONG_WAITS``).
 READ_ERROR = "read_error"
+WAITED_S = "waited_s"
+LONG_WAITS = "long_waits"
 
 
 @dataclass(frozen=True)
@@ -207,8 +210,10 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
         os.environ.update(environ)
     if cpus:  # before any thread starts: ZMQ's I/O threads inherit it
         os.sched_setaffinity(0, cpus)
+    from vllm.distributed.device_communicators import shm_broadcast
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+    long_waits = _count_long_waits(shm_broadcast)
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready()
     kept: list[dict[str, Any]] = []  # as a scheduler keeps what it received
@@ -217,10 +222,12 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
             time.sleep(delay)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            started = time.monotonic()
             try:
                 payload, frame_sizes = _receive(mq, timeout, wire_report)
             except Exception as exc:  # say why, rather than die silently: the test's failure names it
-                results.put((rank, {READ_ERROR: f"{type(exc).__name__}: {exc}"}))
+                results.put((rank, {READ_ERROR: f"{type(exc).__name__}: {exc}",
+                                    WAITED_S: time.monotonic() - started, LONG_WAITS: long_waits.count}))
                 return
         if isinstance(payload, str) and payload == _STOP:
             return
@@ -252,6 +259,29 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
                 ok = ok and _writable_in_place(value)
             report[name] = describe_item(value, writable=ok)
         results.put((rank, report))
+
+
+class _LongWaitCounter(logging.Handler):
+    """Counts vLLM's "no available shared memory broadcast block" lines of one logger."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.message, self.count = message, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.msg == self.message
+
+
+def _count_long_waits(shm_broadcast: Any) -> _LongWaitCounter:
+    """Count the long-wait lines ``shm_broadcast`` logs from now on. The fork server imported it under its own
+    environment: the interval it read then is read again here, from this reader's, as a fresh worker would."""
+    from vllm import envs
+
+    shm_broadcast.VLLM_RINGBUFFER_WARNING_INTERVAL = envs.VLLM_RINGBUFFER_WARNING_INTERVAL
+    counter = _LongWaitCounter(getattr(shm_broadcast, "LONG_WAIT_TIME_LOG_MSG", None))
+    shm_broadcast.logger.addHandler(counter)
+    shm_broadcast.logger.setLevel(min(shm_broadcast.logger.getEffectiveLevel(), logging.INFO))
+    return counter
 
 
 # Key of a threaded reader's report: ``[(thread, message), ...]``, every message any of its threads got.
