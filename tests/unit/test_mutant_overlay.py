@@ -80,3 +80,35 @@ def test_every_mutant_applies_to_the_installed_sources_and_names_existing_tests(
             assert (REPO_ROOT / test.split("::")[0]).exists(), f"{mutant.name}: no {test}"
     with pytest.raises(ValueError, match="unknown mutants"):
         catalog.by_name(["no-such-mutant"])
+
+
+def test_a_killed_runs_shared_memory_is_found_and_a_live_processs_is_left_alone(tmp_path) -> None:
+    """A mutant run that times out is SIGKILLed with its readers: nothing unlinks their ring. What appeared
+    during the run and no live process maps or holds open is the run's leftover; the rest is not ours."""
+    from vllm_zerocopy_testbed.mutants import run
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "before").write_bytes(b"x")
+    before = frozenset(p.name for p in shm.iterdir())
+    (shm / "orphan").write_bytes(b"x")
+    mapped, opened = shm / "mapped", shm / "opened"
+    mapped.write_bytes(b"\0" * 4096)
+    opened.write_bytes(b"x")
+    holder = subprocess.Popen(
+        # mapped through libc, its descriptor closed (Python's mmap would keep a duplicate open)
+        [sys.executable, "-c", "import ctypes, os, time\n"
+         "libc = ctypes.CDLL(None); libc.mmap.restype = ctypes.c_void_p\n"
+         "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, "
+         "ctypes.c_long]\n"
+         f"fd = os.open({str(mapped)!r}, os.O_RDWR); assert libc.mmap(None, 4096, 3, 1, fd, 0) not in (None, -1)\n"
+         "os.close(fd)\n"
+         f"g = open({str(opened)!r}, 'rb')\n"
+         "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        assert run.orphaned_shm(before, shm) == [shm / "orphan"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in run.orphaned_shm(before, shm)) == ["mapped", "opened", "orphan"]

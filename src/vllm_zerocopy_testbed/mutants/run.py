@@ -8,11 +8,14 @@ module no process imported is an error, not a survivor: the tests never saw it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
@@ -96,6 +99,10 @@ def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Pa
     if select:
         cmd += ["-k", select]
     started = time.monotonic()
+    # A killed run cleans nothing up: its vLLM IPC sockets go into a folder of its own, and its shared
+    # memory is looked for afterwards.
+    env["VLLM_RPC_BASE_PATH"] = rpc_dir = tempfile.mkdtemp(prefix="testbed-ipc-mutant-")
+    shm_before = _shm_names()
     with open(workdir / "pytest.log", "w") as log:
         # Its own session: on a timeout or an interrupt the whole group goes (harness readers,
         # Ray nodes), and nothing of it outlives the run.
@@ -107,11 +114,40 @@ def run_tests(tests: tuple[str, ...], select: str, workdir: Path, pythonpath: Pa
             returncode = -9
         finally:
             _kill_group(proc)
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+            for orphan in orphaned_shm(shm_before):
+                orphan.unlink(missing_ok=True)
     seconds = time.monotonic() - started
     failed, message, count = _first_failure(junit)
     if returncode == -9:
         message = f"the run exceeded {RUN_TIMEOUT_S} s"
     return Outcome(returncode, seconds, failed, message, count)
+
+
+SHM = Path("/dev/shm")
+
+
+def _shm_names() -> frozenset[str]:
+    return frozenset(p.name for p in SHM.iterdir()) if SHM.is_dir() else frozenset()
+
+
+def orphaned_shm(before: frozenset[str], shm: Path = SHM) -> list[Path]:
+    """Return the files of ``shm`` not in ``before`` that no live process maps or holds open: what a run's
+    killed processes (a timed-out or interrupted mutant run, SIGKILLed) left, never a live one's."""
+    new = [p for p in shm.iterdir() if p.name not in before] if shm.is_dir() else []
+    if not new:
+        return []
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(line.split(None, 5)[5].strip() for line in maps if f"{shm}/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return [p for p in new if str(p) not in held]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
