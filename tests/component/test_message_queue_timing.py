@@ -102,6 +102,25 @@ def test_a_writer_ahead_of_every_reader_stops_at_a_full_ring(broadcast_mode) -> 
         _assert_in_order(harness, sent)
 
 
+def test_an_idle_reader_sleeps_once_its_busy_loop_is_over(broadcast_mode, monkeypatch) -> None:
+    """A reader spins for 1 s after its last read, then sleeps on the writer's notification: idle
+    from then on, it uses no CPU (a worker waiting for the next step must not hold a core), and the
+    next message still reaches it. (The long-wait interval at 1 s wakes it every second, as a
+    default reader wakes every 5 s: a reader that spins when it should sleep shows within 3 s.)"""
+    import psutil
+
+    monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
+    with MessageQueueHarness(QueueTopology(local_readers=1), broadcast_mode, timeout=30, ack_only=True) as harness:
+        harness.broadcast({"warm": torch.zeros(4)})
+        reader = psutil.Process(harness.reader_pids[0])
+        time.sleep(1.5)  # past the busy loop
+        before = sum(reader.cpu_times()[:2])
+        time.sleep(3.0)
+        used = sum(reader.cpu_times()[:2]) - before
+        assert RECEIVED_AT in harness.broadcast({"next": torch.zeros(4)})[1], "the idle reader missed a message"
+    assert used < 0.5, f"an idle reader used {used:.2f} s of CPU in 3 s past its busy loop"
+
+
 class _LongWaits(logging.Handler):
     """Counts the long-wait lines of vLLM's shm_broadcast logger in this process (the writer's)."""
 
