@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_zerocopy_testbed.harness.message_queue import READ_ERROR, MessageQueueHarness, QueueTopology, describe
+from vllm_zerocopy_testbed.harness.message_queue import (LONG_WAITS, READ_ERROR, WAITED_S, MessageQueueHarness,
+                                                         QueueTopology, describe)
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(180)]
 
@@ -69,14 +70,21 @@ def test_messages_around_the_chunk_size_fit_the_ring_or_overflow(broadcast_mode)
             assert reports[1] == describe(payload), f"a {size}-byte stream (chunk {MiB}) arrived different"
 
 
-@pytest.mark.parametrize("topology", [QueueTopology(local_readers=1), QueueTopology(local_readers=0,
-                                                                                    remote_readers=1)],
+@pytest.mark.parametrize(("topology", "lines"), [(QueueTopology(local_readers=1), 2),
+                                                (QueueTopology(local_readers=0, remote_readers=1), 0)],
                          ids=["ring", "remote-tcp"])
-def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, broadcast_mode) -> None:
-    """``dequeue(timeout=2)`` with no message raises TimeoutError: every wait has its bound."""
-    with MessageQueueHarness(topology, broadcast_mode, timeout=2) as harness:
+def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, lines, broadcast_mode, monkeypatch) -> None:
+    """``dequeue(timeout=2.5)`` with no message raises TimeoutError after 2.5 s: every wait has its bound.
+    A ring reader logs vLLM's long-wait line once an interval meanwhile (set to 1 s): twice. A remote
+    reader waits on its socket and logs nothing (vLLM has no long-wait line there)."""
+    monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
+    with MessageQueueHarness(topology, broadcast_mode, timeout=2.5) as harness:
         report = harness.collect(within=30)[1]
     assert report.get(READ_ERROR, "").startswith("TimeoutError"), f"the reader reported {report}"
+    # vLLM rounds the time left down to whole milliseconds: the wait may end a millisecond early.
+    assert 2.4 <= report[WAITED_S] < 10, f"dequeue(timeout=2.5) gave up after {report[WAITED_S]:.2f} s"
+    assert report[LONG_WAITS] == lines, (
+        f"{report[LONG_WAITS]} long-wait lines in a 2.5 s wait with a 1 s interval (expected {lines})")
 
 
 def test_a_new_ring_owns_its_pages(broadcast_mode, expect) -> None:
