@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_zerocopy_testbed.harness.message_queue import (READ_ERROR, RECEIVED_AT, MessageQueueHarness,
-                                                         QueueTopology, describe)
+                                                         QueueTopology, _LongWaitCounter, describe)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
@@ -121,17 +121,6 @@ def test_an_idle_reader_sleeps_once_its_busy_loop_is_over(broadcast_mode, monkey
     assert used < 0.5, f"an idle reader used {used:.2f} s of CPU in 3 s past its busy loop"
 
 
-class _LongWaits(logging.Handler):
-    """Counts the long-wait lines of vLLM's shm_broadcast logger in this process (the writer's)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(logging.DEBUG)
-        self.message, self.count = message, 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += record.msg == self.message
-
-
 def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interval(broadcast_mode,
                                                                                   monkeypatch) -> None:
     """Readers stopped, ring full: ``enqueue(timeout=2.5)`` raises TimeoutError after 2.5 s, having
@@ -141,7 +130,7 @@ def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interv
 
     monkeypatch.setattr(shm_broadcast, "VLLM_RINGBUFFER_WARNING_INTERVAL", 1)
     monkeypatch.setattr(shm_broadcast.logger, "level", logging.INFO)
-    waits = _LongWaits(shm_broadcast.LONG_WAIT_TIME_LOG_MSG)
+    waits = _LongWaitCounter(shm_broadcast.LONG_WAIT_TIME_LOG_MSG)
     shm_broadcast.logger.addHandler(waits)
     sent = [_message(i) for i in range(MAX_CHUNKS)]
     outcome: list[BaseException | None] = []
