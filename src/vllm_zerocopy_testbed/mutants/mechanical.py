@@ -86,10 +86,21 @@ TARGETS: tuple[Target, ...] = (
 _SPINLOOP_OFF = ("unreachable here: the spinloop branch runs only with VLLM_USE_SPINLOOP_EXT=1 (vllm.envs: "
                  "off by default), which no test, compose profile or vLLM default sets; the line never runs "
                  "in the testbed (a gap to close if the testbed ever enables the extension)")
+_AT_THE_INSTANT = ("differs only when the float seconds of time.monotonic() equal the bound exactly: the wait "
+                   "loop checks again microseconds later, past it either way (the same warning or TimeoutError)")
 EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_*::spinloop(* -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::metadata_buffer[0 : self.local_reader_rank + 1], -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::timeout=SPINLOOP_TIMEOUT_SECONDS, -> *": _SPINLOOP_OFF,
+    "shm_broadcast::MessageQueue.acquire_write::if timeout is not None and elapsed > timeout: -> "
+    "if timeout is not None and elapsed >= timeout:": _AT_THE_INSTANT,
+    "shm_broadcast::MessageQueue.acquire_write::if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning: -> "
+    "if elapsed >= VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning:": _AT_THE_INSTANT,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.should_warn::if elapsed >= VLLM_RINGBUFFER_WARNING_INTERVAL "
+    "* self.n_warning: -> if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:": _AT_THE_INSTANT,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> if time_left_ms < 0:": (
+        "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
+        "microseconds later"),
     "shm_broadcast::MessageQueue.enqueue.oob_callback::return False -> return None": (
         "pickle keeps a buffer out of band when buffer_callback returns any false value (the pickle module's "
         "documentation of Pickler's buffer_callback: 'a false value (such as None)'): the same stream"),
