@@ -101,6 +101,10 @@ EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> if time_left_ms < 0:": (
         "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
         "microseconds later"),
+    "shm_broadcast::MessageQueue.acquire_write::for i in range(1, self.buffer.n_reader + 1): -> "
+    "for i in range( 0, self.buffer.n_reader + 1):": (
+        "index 0 is the written flag, set to 0 before the caller wrote the chunk and to 1 after this loop: clearing "
+        "it once more in between writes the value it already holds (one writer; readers only read it)"),
     "shm_broadcast::MessageQueue.enqueue.oob_callback::return False -> return None": (
         "pickle keeps a buffer out of band when buffer_callback returns any false value (the pickle module's "
         "documentation of Pickler's buffer_callback: 'a false value (such as None)'): the same stream"),
