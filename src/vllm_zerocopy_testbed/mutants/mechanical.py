@@ -105,6 +105,9 @@ EQUIVALENT: dict[str, str] = {
     "for i in range( 0, self.buffer.n_reader + 1):": (
         "index 0 is the written flag, set to 0 before the caller wrote the chunk and to 1 after this loop: clearing "
         "it once more in between writes the value it already holds (one writer; readers only read it)"),
+    "shm_broadcast::MessageQueue.acquire_write::metadata_buffer[0] = 1 -> metadata_buffer[0] = 2": (
+        "the written flag is only tested for truth (both checks: `written_flag and ...`, `not written_flag`), and "
+        "2 is as true as 1; the spinloop extension that reads the flags natively is off (VLLM_USE_SPINLOOP_EXT)"),
     "shm_broadcast::MessageQueue.enqueue.oob_callback::return False -> return None": (
         "pickle keeps a buffer out of band when buffer_callback returns any false value (the pickle module's "
         "documentation of Pickler's buffer_callback: 'a false value (such as None)'): the same stream"),
