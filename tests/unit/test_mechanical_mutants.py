@@ -386,3 +386,16 @@ def test_a_map_is_built_from_one_that_differs_in_test_files_by_measuring_those_a
     (root / "tests" / "conftest.py").write_text("# changed\n")  # not a test file: every test again
     cm.load_or_build({"m": module}, request, cache, root=root)
     assert runs[2:] == [(("tests",), False)]
+
+
+def test_a_survivor_out_of_reach_here_says_why_and_the_others_read_unexplained() -> None:
+    """A survivor no test on this machine can see (a store fence on x86-64, a CUDA-only branch) stays open,
+    with its reason beside it; every other survivor counts as unexplained."""
+    fence = mechanical.Verdict("j", "vllm.x.shm_broadcast", "Q.f", "op", 1, "memory_fence() -> pass",
+                               mechanical.SURVIVED)
+    other = mechanical.Verdict("k", "vllm.x.shm_broadcast", "Q.f", "op", 2, "x = 1 -> x = 2", mechanical.SURVIVED)
+    md = mechanical.markdown({"summary": {}, "scores": mechanical.scores([fence, other]),
+                              "mutants": [{**vars(x), "key": x.key} for x in (fence, other)]})
+    assert "## Open survivors (2: 1 unexplained)" in md
+    assert "`shm_broadcast::Q.f::memory_fence() -> pass` (op, line 1, 0 tests): out of reach here: " in md
+    assert "`shm_broadcast::Q.f::x = 1 -> x = 2` (op, line 2, 0 tests)\n" in md
