@@ -125,7 +125,7 @@ multihost: image ## scripts/join.sh: a head and a joined worker (two containers 
 test-smoke: $(E2E_DEPS) ## the e2e smoke checks only: one logprobs + one prompt_embeds request, placement, modes
 	$(E2E_PYTEST) tests/e2e -m smoke $(PYTEST_ARGS)
 
-mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~20 min: 41 mutants; ONLY=a,b LIST=1; FULL=1: the 1,360 mechanical mutants, resumable: a ~20 min coverage map (a changed test file alone: ~1 min), then ~20 s a mutant (all: ~8 h), LIMIT=n FUNCTION=name MODULE=name REPORT=1), report in reports/
+mutants: $(STAMP) ## plant each regression of mutants/catalog.py in a scratch overlay, name the test that kills it (~20 min: 41 mutants; ONLY=a,b LIST=1; FULL=1: the 1,360 mechanical mutants, resumable: a ~20 min coverage map (a changed test file alone: ~1 min), then 20-40 s a mutant (all: 8-14 h), LIMIT=n FUNCTION=name MODULE=name REPORT=1), report in reports/
 	$(PYTHON) -m vllm_zerocopy_testbed.mutants $(if $(FULL),--full $(if $(LIMIT),--limit $(LIMIT)) $(if $(FUNCTION),--only-function $(FUNCTION)) $(if $(MODULE),--only-module $(MODULE)) $(if $(REPORT),--report)) $(if $(ONLY),--only $(ONLY)) $(if $(LIST),--list)
 
 upstream: $(STAMP) ## each finding's standalone repro (findings/*/), stock vs its fix.diff overlaid: one table (~5 min; ONLY=a,b; BENCH=4 (at least 4): the fixes' cost, ~13 min; VLLM=<release>), report in reports/
