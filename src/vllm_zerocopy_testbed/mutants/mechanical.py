@@ -98,6 +98,8 @@ EQUIVALENT: dict[str, str] = {
     "if elapsed >= VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning:": _AT_THE_INSTANT,
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.should_warn::if elapsed >= VLLM_RINGBUFFER_WARNING_INTERVAL "
     "* self.n_warning: -> if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:": _AT_THE_INSTANT,
+    "shm_broadcast::SpinCondition.wait::if current_time <= self.last_read + self.busy_loop_s: -> "
+    "if current_time < self.last_read + self.busy_loop_s:": _AT_THE_INSTANT,
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> if time_left_ms < 0:": (
         "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
         "microseconds later"),
