@@ -105,15 +105,19 @@ def test_a_writer_ahead_of_every_reader_stops_at_a_full_ring(broadcast_mode) -> 
 def test_an_idle_reader_sleeps_once_its_busy_loop_is_over(broadcast_mode, monkeypatch) -> None:
     """A reader spins for 1 s after its last read, then sleeps on the writer's notification: idle
     from then on, it uses no CPU (a worker waiting for the next step must not hold a core), and the
-    next message still reaches it. (The long-wait interval at 1 s wakes it every second, as a
-    default reader wakes every 5 s: a reader that spins when it should sleep shows within 3 s.)"""
+    next message still reaches it. Measured after a message that woke it from that sleep: a reader
+    that leaves the notification unread finds its socket ready from then on, and spins. (The
+    long-wait interval at 1 s wakes it every second, as a default reader wakes every 5 s: a reader
+    that spins when it should sleep shows within 3 s.)"""
     import psutil
 
     monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
     with MessageQueueHarness(QueueTopology(local_readers=1), broadcast_mode, timeout=30, ack_only=True) as harness:
         harness.broadcast({"warm": torch.zeros(4)})
+        time.sleep(1.5)  # past the busy loop: the reader sleeps on the notification
+        harness.broadcast({"woken": torch.zeros(4)})  # a reader woken must take its notification
         reader = psutil.Process(harness.reader_pids[0])
-        time.sleep(1.5)  # past the busy loop
+        time.sleep(1.5)  # past the busy loop again
         before = sum(reader.cpu_times()[:2])
         time.sleep(3.0)
         used = sum(reader.cpu_times()[:2]) - before
