@@ -100,6 +100,11 @@ EQUIVALENT: dict[str, str] = {
     "* self.n_warning: -> if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:": _AT_THE_INSTANT,
     "shm_broadcast::SpinCondition.wait::if current_time <= self.last_read + self.busy_loop_s: -> "
     "if current_time < self.last_read + self.busy_loop_s:": _AT_THE_INSTANT,
+    "shm_broadcast::SpinCondition.*::logger.debug(* -> pass": (
+        "a DEBUG line (vLLM logs at INFO unless VLLM_LOGGING_LEVEL says otherwise); nothing waits on it"),
+    "shm_broadcast::SpinCondition.wait::self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False) -> "
+    "self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=True)": (
+        "the one-byte notification is read only to be dropped: a copy of it or a frame of it, nothing uses either"),
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> if time_left_ms < 0:": (
         "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
         "microseconds later"),
@@ -125,6 +130,9 @@ _CUDA_EVENT = ("the release waits on the CUDA event of a pinned host-to-device c
                "host, and no GPU was lent (the GPU profile: `scripts/gpu-smoke.sh`)")
 OUT_OF_REACH: dict[str, str] = {
     "*::memory_fence() -> pass": _X86_ORDER,
+    "shm_broadcast::SpinCondition.wait::sched_yield() -> pass": (
+        "speed only, and only on an oversubscribed host: a reader in its busy loop holds its core either way; "
+        "sched_yield gives it away only when another thread waits for that core"),
     "shm_broadcast::MessageQueue.acquire_write::sched_yield() -> pass": (
         "speed only, and only on an oversubscribed host: a writer waiting at a full ring holds its core either way; "
         "sched_yield gives it away only when another thread waits for that core"),
