@@ -51,6 +51,25 @@ def test_every_read_only_array_is_copied_with_values_and_types_kept(detach_mode,
         assert np.array_equal(old, new) and old.dtype == new.dtype
 
 
+@pytest.mark.parametrize("frozen", [0, 1, 2], ids=["token_ids", "logprobs", "ranks"])
+def test_a_read_only_array_is_copied_and_the_writable_ones_are_kept_as_they_are(frozen, detach_mode, expect) -> None:
+    """One array of the logprobs read-only beside writable ones: that one is copied (each array is judged on its
+    own), and the writable ones stay the very objects they were (copying them costs a step for nothing)."""
+    from vllm.v1.outputs import LogprobsLists
+
+    _skip_where_vllm_has_no_detach(detach_mode)
+    expect("detach_logprobs", detach_mode)
+    out = make_output(0, OutputShape())
+    arrays = [np.array(a) for a in out.logprobs[:3]]
+    arrays[frozen] = _freeze(arrays[frozen])
+    out.logprobs = LogprobsLists(*arrays, out.logprobs[3])
+    detach.resolve(detach_mode)(out)
+    assert not any(_read_only(*out.logprobs[:3])), f"{LogprobsLists._fields[frozen]} still backed by the channel"
+    assert np.array_equal(out.logprobs[frozen], arrays[frozen])
+    kept = [out.logprobs[i] is arrays[i] for i in range(3) if i != frozen]
+    assert all(kept), f"writable arrays were replaced: {[LogprobsLists._fields[i] for i in range(3) if i != frozen]}"
+
+
 def test_sampling_masks_are_detached(detach_mode, expect) -> None:
     _skip_where_vllm_has_no_detach(detach_mode)
     expect("detach_sampling_mask", detach_mode)
