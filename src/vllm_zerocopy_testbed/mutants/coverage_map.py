@@ -147,15 +147,6 @@ def changed_lines(pristine: str, mutated: str) -> list[int]:
     return lines
 
 
-def statement_line(source: str, line: int) -> int:
-    """Return the first line of the innermost statement holding ``line`` (coverage.py records that one)."""
-    best: tuple[int, int] | None = None
-    for start, end in _statement_spans(source):
-        if start <= line <= end and (best is None or start >= best[0] and end <= best[1]):
-            best = (start, end)
-    return best[0] if best is not None else line
-
-
 def traced_lines(source: str, line: int) -> tuple[int, ...]:
     """The lines under which coverage.py may have recorded ``line`` running: the line itself, then every
     line of the head of its innermost statement (a simple statement whole; an ``if``/``while``/``with``/...
@@ -175,11 +166,6 @@ def _statement_heads(source: str) -> tuple[tuple[int, int], ...]:
             last = body[0].lineno - 1 if isinstance(body, list) and body else (node.end_lineno or node.lineno)
             heads.append((node.lineno, max(node.lineno, last)))
     return tuple(sorted(heads, key=lambda span: span[1] - span[0]))
-
-
-@functools.lru_cache(maxsize=16)
-def _statement_spans(source: str) -> tuple[tuple[int, int], ...]:
-    return tuple((n.lineno, n.end_lineno or n.lineno) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt))
 
 
 def changed_function(pristine: str, mutated: str) -> str:
@@ -270,9 +256,11 @@ class CoverageMap:
 
     @classmethod
     def from_json(cls, text: str) -> "CoverageMap":
-        data = json.loads(text)
-        data["tests"] = {k: TestRecord(**v) for k, v in data["tests"].items()}
-        return cls(**data)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CoverageMap":
+        return cls(**{**data, "tests": {k: TestRecord(**v) for k, v in data["tests"].items()}})
 
 
 @dataclass(frozen=True)
@@ -463,20 +451,20 @@ def _requested(test_file: str, request: CoverageRequest) -> bool:
 
 def _closest(cache: Path, base: str, digests: dict[str, str]) -> CoverageMap | None:
     """Return the cached map with base key ``base`` whose test files differ least from ``digests``, or None."""
-    best: tuple[int, float, CoverageMap] | None = None
+    best: tuple[int, float, dict] | None = None
     for path in cache.glob("coverage-*.json"):
         try:
-            head = json.loads(path.read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if head.get("base_key") != base:
+        if data.get("base_key") != base:
             continue
-        files = head.get("test_files", {})
+        files = data.get("test_files", {})
         differ = sum(files.get(f) != d for f, d in digests.items()) + len(set(files) - set(digests))
         rank = (differ, -path.stat().st_mtime)
         if best is None or rank < best[:2]:
-            best = (*rank, CoverageMap.from_json(path.read_text()))
-    return None if best is None else best[2]
+            best = (*rank, data)
+    return None if best is None else CoverageMap.from_dict(best[2])
 
 
 def merged(prior: CoverageMap, part: CoverageMap | None, remeasured: set[str], sources: dict[str, str],
