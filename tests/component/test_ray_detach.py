@@ -2,7 +2,8 @@
 
 The actor runs on the second node (127.0.0.2) and returns real vLLM outputs;
 the driver (on the head, 127.0.0.3) reads them through vLLM's own
-``FutureWrapper.result`` and keeps them all, as the scheduler keeps logprobs.
+``FutureWrapper.result`` and keeps them all, as the scheduler keeps logprobs; with two
+workers, as with a KV connector, through its ``KVOutputAggregator``.
 A cluster serves tests until one stalls (or fails): after a stall, Ray's teardown
 crashes the remote raylet (``experimental_mutable_object_provider.cc ... Channel
 closed``), so the next test gets a fresh one. Reuse saves cluster starts, and a driver run
@@ -86,6 +87,15 @@ def test_held_sampling_masks_never_stall_the_channel(two_nodes, detach_mode, exp
         pytest.skip("this vLLM's ModelRunnerOutput has no sampling_masks")
     expect("detach_sampling_mask", detach_mode)
     _assert_no_stall(_drive(two_nodes, detach_mode, "--sampling-mask"))
+
+
+def test_every_worker_output_is_detached_before_the_kv_aggregator_merges_them(two_nodes, detach_mode, expect) -> None:
+    """vLLM's executor with a KV connector reads every worker's output, detaches each and lets
+    ``KVOutputAggregator`` merge them into rank 0's: the scheduler keeps that output, so a held
+    array of it must not stall the next step, and what it gets is rank 0's tokens with both
+    workers' finished KV sends counted."""
+    expect("detach_logprobs", detach_mode)
+    _assert_no_stall(_drive(two_nodes, detach_mode, "--workers=2"))
 
 
 def test_a_stall_is_bounded_by_the_channel_timeout(two_nodes) -> None:

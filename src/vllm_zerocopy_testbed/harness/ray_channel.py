@@ -5,6 +5,10 @@ whose logprobs are numpy arrays. The driver reads each step through vLLM's
 ``FutureWrapper.result`` — ``ray.get`` then the module's detach function, which
 the detach mode replaced — and keeps every output alive, as the scheduler keeps
 a request's logprobs. Without a detach the second read stalls until its bound.
+
+With ``workers`` > 1 the graph is vLLM's executor with a KV connector: every worker
+returns an output, and ``FutureWrapper.result`` detaches each one before vLLM's
+``KVOutputAggregator`` merges them into rank 0's.
 """
 
 from __future__ import annotations
@@ -116,7 +120,21 @@ def _producer_class() -> Any:
         def step(self, step: int) -> Any:
             return make_output(step, self.shape)
 
+        def step_as_worker(self, step: int, rank: int) -> Any:
+            """This worker's output with a KV connector: tokens marked by ``rank`` (rank 0's are
+            the ones the scheduler gets) and one request's KV sends finished on this worker."""
+            from vllm.v1.outputs import KVConnectorOutput
+
+            output = make_output(step, self.shape)
+            output.sampled_token_ids = [[step + 1000 * rank] for _ in output.req_ids]
+            output.kv_connector_output = KVConnectorOutput(finished_sending={_finished_req(step)})
+            return output
+
     return OutputProducer
+
+
+def _finished_req(step: int) -> str:
+    return f"req-{step % OutputShape().num_reqs}"
 
 
 def run_compiled_graph(
@@ -126,24 +144,36 @@ def run_compiled_graph(
     node_resource: str | None = None,
     first_timeout: float = 120.0,
     step_timeout: float = 5.0,
+    workers: int = 1,
 ) -> ChannelHistory:
     """Run ``steps`` steps through a compiled graph in the connected Ray; stop at the first error.
 
-    The caller has called ``ray.init``. ``node_resource`` pins the actor to the
-    node that advertises that custom resource (the remote node).
+    The caller has called ``ray.init``. ``node_resource`` pins the actors to the
+    node that advertises that custom resource (the remote node). ``workers`` > 1:
+    one actor per worker, read through vLLM's ``KVOutputAggregator``; a step whose
+    aggregate is not rank 0's output, or lacks a worker's finished KV send, ends
+    the run as ``WrongOutput``.
     """
     import ray
-    from ray.dag import InputNode
+    from ray.dag import InputNode, MultiOutputNode
 
     options = {"resources": {node_resource: 0.01}} if node_resource else {}
     # The actor's worker imports vLLM while this process does: on two cores each driver
     # run starts sooner than with the imports one after the other.
-    actor = _producer_class().options(**options).remote(shape)
+    actors = [_producer_class().options(**options).remote(shape) for _ in range(workers)]
     from vllm.v1.executor import ray_utils
 
     detach.apply(mode)
     with InputNode() as inp:
-        dag = actor.step.bind(inp)
+        if workers == 1:
+            dag = actors[0].step.bind(inp)
+        else:
+            dag = MultiOutputNode([a.step_as_worker.bind(inp, rank) for rank, a in enumerate(actors)])
+    aggregator = None
+    if workers > 1:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        aggregator = KVOutputAggregator(expected_finished_count=workers)
     compiled = dag.experimental_compile()
     history = ChannelHistory(mode)
     kept: list[Any] = []  # outputs stay referenced, as the scheduler keeps them
@@ -152,15 +182,16 @@ def run_compiled_graph(
             start = time.monotonic()
             try:
                 ref = compiled.execute(step)
-                output = ray_utils.FutureWrapper(ref).result(
-                    timeout=first_timeout if step == 0 else step_timeout
-                )
+                future = ray_utils.FutureWrapper(ref, aggregator) if aggregator else ray_utils.FutureWrapper(ref)
+                output = future.result(timeout=first_timeout if step == 0 else step_timeout)
             except Exception as exc:  # RayChannelTimeoutError and friends
                 history.steps.append(StepRecord(step, time.monotonic() - start, type(exc).__name__))
                 break
             kept.append(output)
             history.steps.append(StepRecord(step, time.monotonic() - start))
-            if output.sampled_token_ids[0] != [step]:
+            if output is None or output.sampled_token_ids[0] != [step] or (
+                aggregator and output.kv_connector_output.finished_sending != {_finished_req(step)}
+            ):
                 history.steps[-1].error = "WrongOutput"
                 break
     finally:
@@ -169,7 +200,8 @@ def run_compiled_graph(
             compiled.teardown()
         except Exception as exc:
             logger.warning("compiled graph teardown: %s", exc)
-        ray.kill(actor)
+        for actor in actors:
+            ray.kill(actor)
     return history
 
 
@@ -194,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=0)
     parser.add_argument("--sampling-mask", action="store_true")
     parser.add_argument("--step-timeout", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="> 1: one actor per worker, read through vLLM's KV-output aggregator")
     args = parser.parse_args(argv)
 
     import ray
@@ -205,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         OutputShape(prompt_len=args.prompt_len, sampling_mask=args.sampling_mask),
         node_resource=args.node_resource,
         step_timeout=args.step_timeout,
+        workers=args.workers,
     )
     print(json.dumps({"mode": history.mode.value, "steps": [dataclasses.asdict(s) for s in history.steps]}))
     sys.stdout.flush()
