@@ -9,6 +9,7 @@ with nothing sent, in every broadcast mode (the reader side is vLLM's code in ea
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -85,6 +86,22 @@ def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, lines, broadcast
     assert 2.4 <= report[WAITED_S] < 10, f"dequeue(timeout=2.5) gave up after {report[WAITED_S]:.2f} s"
     assert report[LONG_WAITS] == lines, (
         f"{report[LONG_WAITS]} long-wait lines in a 2.5 s wait with a 1 s interval (expected {lines})")
+
+
+def test_a_read_without_a_deadline_wakes_and_says_so_each_interval(broadcast_mode, monkeypatch) -> None:
+    """``dequeue()`` with no timeout waits for as long as nothing comes, yet wakes once an interval
+    (1 s here) to log vLLM's long-wait line, as a worker's log shows a stuck writer: over 4.5 s,
+    a line at each of 1, 2, 3 and 4 s. A reader that slept until the message came would log at
+    most one line per busy-loop exit and one after the message."""
+    monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
+    with MessageQueueHarness(QueueTopology(local_readers=1), broadcast_mode, timeout=20,
+                             read_deadline=False) as harness:
+        time.sleep(4.5)
+        report = harness.waits()[1]
+    assert report[WAITED_S] >= 4.4, f"the read returned after {report[WAITED_S]:.2f} s, before the message"
+    # A busy machine may wake the reader late: 3 lines at the least; a line per interval at the most.
+    assert 3 <= report[LONG_WAITS] <= 5, (
+        f"{report[LONG_WAITS]} long-wait lines in a {report[WAITED_S]:.1f} s wait with a 1 s interval")
 
 
 def test_a_new_ring_owns_its_pages(broadcast_mode, expect) -> None:

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 _STOP = "__testbed_stop__"
 # Readers that ``keep`` their messages answer this with a fresh report of everything they kept.
 _RECHECK = "__testbed_recheck__"
+# Every reader answers this with how long its read of it waited (``WAITED_S``) and how many
+# long-wait lines it has logged so far (``LONG_WAITS``).
+_WAITS = "__testbed_waits__"
 # ``(_CONTROL, action, rank or None for all, index)``: a ``keep`` reader acts on its kept message
 # ``index`` (``READER_ACTIONS``); every reader acknowledges.
 _CONTROL = "__testbed_control__"
@@ -202,7 +205,7 @@ def reader_context() -> Any:
     return ctx
 
 
-def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_report: bool,
+def _reader_main(handle: Any, rank: int, results: Any, timeout: float | None, wire_report: bool,
                  ack_only: bool = False, cpus: frozenset[int] | None = None, keep: bool = False,
                  touch: bool = False, environ: dict[str, str] | None = None, delay: float = 0.0) -> None:
     if environ is not None:  # the writer's, now (the fork server kept the one it started with)
@@ -236,6 +239,9 @@ def _reader_main(handle: Any, rank: int, results: Any, timeout: float, wire_repo
             if target in (None, rank):
                 READER_ACTIONS[action](kept, index)
             results.put((rank, {"done": action}))
+            continue
+        if isinstance(payload, str) and payload == _WAITS:
+            results.put((rank, {WAITED_S: time.monotonic() - started, LONG_WAITS: long_waits.count}))
             continue
         if isinstance(payload, str) and payload == _RECHECK:
             results.put((rank, {f"{i}/{name}": describe_item(value)
@@ -347,14 +353,20 @@ class MessageQueueHarness:
         touch: bool = False,
         delays: dict[int, float] | None = None,
         reader_threads: int = 1,
+        read_deadline: bool = True,
     ) -> None:
         """``delays``: seconds reader ``rank`` spends before each read (a slow worker; the
         writer does not wait for reports between ``send`` calls, so it runs ahead of it).
+        ``read_deadline`` False: readers dequeue with ``timeout=None`` (no deadline; vLLM still logs
+        its long-wait line each interval), local readers only.
         ``reader_threads`` > 1: each local reader dequeues from that many threads and reports once,
         at the end (``thread_reads``)."""
         if reader_threads > 1 and topology.remote_readers:
             raise ValueError("reader_threads shares one reader's ring cursor: local readers only")
         self.reader_threads = reader_threads
+        if not read_deadline and topology.remote_readers:
+            raise ValueError("read_deadline=False waits on the ring: local readers only")
+        self.read_deadline = read_deadline
         if wire_report and topology.local_readers:
             raise ValueError("wire_report measures ZMQ frames: remote readers only")
         self.wire_report = wire_report
@@ -393,7 +405,8 @@ class MessageQueueHarness:
         try:
             for rank in range(1, topo.readers + 1):
                 cpus = self.remote_reader_cpus if rank > topo.local_readers else None
-                target, args = _reader_main, (handle, rank, self._results[rank], self.timeout, self.wire_report,
+                read_timeout = self.timeout if self.read_deadline else None
+                target, args = _reader_main, (handle, rank, self._results[rank], read_timeout, self.wire_report,
                                               self.ack_only, cpus, self.keep, self.touch, dict(os.environ),
                                               self.delays.get(rank, 0.0))
                 if self.reader_threads > 1:
@@ -491,6 +504,12 @@ class MessageQueueHarness:
             except TimeoutError:
                 break  # the readers stopped reading: their threads end on their idle timeout
         return self.collect(within=2 * self.timeout + 10)
+
+    def waits(self) -> dict[int, dict[str, Any]]:
+        """Send a message each reader answers with how long its read of it waited (``WAITED_S``) and
+        how many of vLLM's long-wait lines it has logged (``LONG_WAITS``)."""
+        self.send(_WAITS)
+        return self.collect()
 
     def recheck(self) -> dict[int, dict[str, ItemReport]]:
         """Return each ``keep`` reader's report, now, of every message it kept (``"<index>/<name>"``)."""

