@@ -399,3 +399,32 @@ def test_a_survivor_out_of_reach_here_says_why_and_the_others_read_unexplained()
     assert "## Open survivors (2: 1 unexplained)" in md
     assert "`shm_broadcast::Q.f::memory_fence() -> pass` (op, line 1, 0 tests): out of reach here: " in md
     assert "`shm_broadcast::Q.f::x = 1 -> x = 2` (op, line 2, 0 tests)\n" in md
+
+
+def test_a_survivor_stands_while_the_tests_of_its_lines_are_the_same(tmp_path: Path) -> None:
+    """A test written for one function changes the map's key, but a survivor of another function whose
+    lines the same tests (same files) ran keeps its verdict; a new test over its lines, or a change
+    outside the test files, judges it again."""
+    import json
+    from types import SimpleNamespace
+
+    tests = {t: cm.TestRecord("passed", 1.0) for t in ("tests/test_a.py::x", "tests/test_b.py::y")}
+    line_tests = {"m": {"9": ["tests/test_a.py::x"], "10": ["tests/test_a.py::x"]}}
+
+    def cmap(key: str, base: str = "base", b_digest: str = "b1", line_10=("tests/test_a.py::x",)) -> cm.CoverageMap:
+        return cm.CoverageMap(key, {"m": {"Ring.acquire": ["tests/test_a.py::x"]}}, tests, lines={"m": [9, 10]},
+                              line_tests={"m": {**line_tests["m"], "10": list(line_10)}}, base_key=base,
+                              test_files={"tests/test_a.py": "a1", "tests/test_b.py": b_digest})
+
+    old = cmap("old")
+    judged = old.judges_key(old.tests_for_lines("m", SOURCE, [10], "Ring.acquire"))
+    verdict = {"fate": mechanical.SURVIVED, "map_key": "old", "module": "m", "function": "Ring.acquire",
+               "lines": [10], "judges": judged}
+    db = SimpleNamespace(results=[("s", SimpleNamespace(output=json.dumps(verdict))),
+                                  ("u", SimpleNamespace(output=json.dumps({**verdict, "judges": ""})))])
+    sources = {"m": SOURCE}
+    assert mechanical.same_judges(db, cmap("new", b_digest="b2"), sources) == {"s"}  # test_b changed
+    assert mechanical.same_judges(db, cmap("new", line_10=("tests/test_a.py::x", "tests/test_b.py::y")),
+                                  sources) == set()  # a new test reaches line 10
+    assert mechanical.same_judges(db, cmap("new", base="other"), sources) == set()  # the testbed changed
+    assert mechanical.same_judges(db, cmap("old"), sources) == set()  # not stale: nothing to keep

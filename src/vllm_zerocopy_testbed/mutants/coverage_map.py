@@ -243,6 +243,16 @@ class CoverageMap:
         lead = [t for t in first if t in green]
         return lead + [t for t in green if t not in lead]
 
+    def judges_key(self, tests: list[str]) -> str:
+        """Return what a verdict reached by ``tests`` rests on: everything but the test files
+        (``base_key``), those tests' node ids and their files' digests. Equal keys: the same tests
+        would judge the mutant again, so a survivor's verdict stands. "" for a map of older shape."""
+        if not self.base_key:
+            return ""
+        names = sorted(set(tests))
+        files = sorted({t.partition("::")[0] for t in names})
+        return digest([self.base_key, *names, *(f"{f}={self.test_files.get(f, '')}" for f in files)])
+
     def seconds_for(self, tests: list[str]) -> float:
         """Return what running ``tests`` once costs: pytest's start and every test's seconds."""
         return self.session_seconds + sum(self.tests[t].seconds for t in tests if t in self.tests)

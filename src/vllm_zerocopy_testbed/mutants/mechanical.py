@@ -25,7 +25,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_zerocopy_testbed.config import REPO_ROOT
@@ -405,6 +405,8 @@ class Verdict:
     equivalent: str = ""
     killer: str = ""  # the killing test's node id, as the coverage map names it
     map_key: str = ""  # the coverage map (tests and testbed) it was judged under
+    lines: list[int] = field(default_factory=list)  # the lines the mutant changed
+    judges: str = ""  # what its tests rest on (``CoverageMap.judges_key``): unchanged, a survivor stands
 
     @property
     def key(self) -> str:
@@ -447,7 +449,7 @@ def judge_one(planned: Planned, session: Session, cmap: coverage_map.CoverageMap
         return verdict
     changed = coverage_map.changed_lines(pristine, mutated)
     tests = cmap.tests_for_lines(planned.module, pristine, changed, verdict.function, first)
-    verdict.tests = len(tests)
+    verdict.tests, verdict.lines, verdict.judges = len(tests), changed, cmap.judges_key(tests)
     verdict.equivalent = equivalent_reason(verdict.key)
     if not cmap.tests_for(planned.module, verdict.function):
         verdict.fate = UNCOVERED
@@ -535,6 +537,23 @@ def stale(db, current: str) -> set[str]:
     return found
 
 
+def same_judges(db, cmap: coverage_map.CoverageMap, sources: dict[str, str]) -> set[str]:
+    """The stale survivors (``stale``) whose verdict stands: under ``cmap`` the same tests, from the same test
+    files, over the same testbed and vLLM sources, ran the lines they change. A new or changed test that
+    reaches such a line, or any change outside the test files, judges them again; each costs a full run of
+    its tests (~3 min for a ring function's), which a test written for another function cannot change."""
+    found, results = set(), dict(db.results)
+    for job in stale(db, cmap.key):
+        data = json.loads(results[job].output or "{}")
+        module, lines = data.get("module", ""), data.get("lines")
+        if not data.get("judges") or not lines or module not in sources:
+            continue
+        tests = cmap.tests_for_lines(module, sources[module], lines, data.get("function", ""))
+        if cmap.judges_key(tests) == data["judges"]:
+            found.add(job)
+    return found
+
+
 def verdicts(db) -> list[Verdict]:
     """Return every judged (not skipped) mutant of a session from its results."""
     found = []
@@ -587,6 +606,11 @@ def run_full(selection: Selection, out: Path, request: coverage_map.CoverageRequ
         say(f"coverage map {'built' if built else 'cached'}: {len(cmap.tests)} tests, red (no judges): "
             f"{cmap.red() or 'none'}; pytest start {cmap.session_seconds:.0f} s")
         sources = {m: p.read_text() for m, p in files.items()}
+        standing = set().union(*(same_judges(db, cmap, sources) for db in dbs))
+        if standing:
+            say(f"{len(standing)} survivors stand: the tests that ran their lines are unchanged")
+        done |= standing
+        pending = [t for t in pending if t[0].job_id not in standing]
         whole = [p for p, _, _ in planned if not p.skipped and p.job_id not in done]
         say(f"estimate, one mutant at a time (this machine, 2 cores): this run {len(pending)} mutants, at most "
             f"{estimate([p for p, _, _ in pending], cmap, sources) / 60:.0f} min; every pending mutant "
