@@ -71,15 +71,18 @@ def test_messages_around_the_chunk_size_fit_the_ring_or_overflow(broadcast_mode)
             assert reports[1] == describe(payload), f"a {size}-byte stream (chunk {MiB}) arrived different"
 
 
-@pytest.mark.parametrize(("topology", "lines"), [(QueueTopology(local_readers=1), 2),
-                                                (QueueTopology(local_readers=0, remote_readers=1), 0)],
-                         ids=["ring", "remote-tcp"])
-def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, lines, broadcast_mode, monkeypatch) -> None:
+@pytest.mark.parametrize(("topology", "delay", "lines"), [(QueueTopology(local_readers=1), 0.0, 2),
+                                                         (QueueTopology(local_readers=1), 1.5, 2),
+                                                         (QueueTopology(local_readers=0, remote_readers=1), 0.0, 0)],
+                         ids=["ring", "idle-ring", "remote-tcp"])
+def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, delay, lines, broadcast_mode, monkeypatch) -> None:
     """``dequeue(timeout=2.5)`` with no message raises TimeoutError after 2.5 s: every wait has its bound.
     A ring reader logs vLLM's long-wait line once an interval meanwhile (set to 1 s): twice. A remote
-    reader waits on its socket and logs nothing (vLLM has no long-wait line there)."""
+    reader waits on its socket and logs nothing (vLLM has no long-wait line there).
+    ``idle-ring``: the reader starts its read 1.5 s after its last activity, past its busy loop, so it
+    wakes at 1, 2 and 2.5 s: the wake at the deadline, inside the second interval, logs no third line."""
     monkeypatch.setenv("VLLM_RINGBUFFER_WARNING_INTERVAL", "1")
-    with MessageQueueHarness(topology, broadcast_mode, timeout=2.5) as harness:
+    with MessageQueueHarness(topology, broadcast_mode, timeout=2.5, delays={1: delay}) as harness:
         report = harness.collect(within=30)[1]
     assert report.get(READ_ERROR, "").startswith("TimeoutError"), f"the reader reported {report}"
     # vLLM rounds the time left down to whole milliseconds: the wait may end a millisecond early.

@@ -103,6 +103,8 @@ EQUIVALENT: dict[str, str] = {
     "* self.n_warning: -> if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:": _AT_THE_INSTANT,
     "shm_broadcast::SpinCondition.wait::if current_time <= self.last_read + self.busy_loop_s: -> "
     "if current_time < self.last_read + self.busy_loop_s:": _AT_THE_INSTANT,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.should_warn::return False -> return None": (
+        "its one caller (`acquire_read`) tests it for truth only, and None is as false as False"),
     "shm_broadcast::SpinCondition.*::logger.debug(* -> pass": (
         "a DEBUG line (vLLM logs at INFO unless VLLM_LOGGING_LEVEL says otherwise); nothing waits on it"),
     "shm_broadcast::SpinCondition.wait::self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False) -> "
