@@ -91,6 +91,49 @@ def test_a_read_with_nothing_sent_ends_at_its_timeout(topology, delay, lines, br
         f"{report[LONG_WAITS]} long-wait lines in a 2.5 s wait with a 1 s interval (expected {lines})")
 
 
+def test_a_message_of_256_buffers_arrives_whole(broadcast_mode) -> None:
+    """A ring chunk counts a message's buffers in two bytes: 255 out-of-band tensors and the pickle
+    stream (each out-of-band buffer at least 1 MiB, so a 256 MiB chunk, as VLLM_MQ_MAX_CHUNK_BYTES_MB
+    allows) must arrive whole; a count read from its low byte alone reads none. The tensors are
+    views of one MiB, and the ring one chunk: 257 MiB of /dev/shm, and the reader's copies."""
+    base = torch.arange(MiB, dtype=torch.int32).to(torch.uint8)
+    payload = {f"t{i}": base[:] for i in range(255)}
+    topology = QueueTopology(local_readers=1, max_chunk_bytes=257 * MiB, max_chunks=1)
+    with MessageQueueHarness(topology, broadcast_mode, timeout=60) as harness:
+        reports = harness.broadcast(payload)
+    assert reports[1] == describe(payload), (
+        f"a message of 256 buffers arrived different: {reports[1].get(READ_ERROR, 'other bytes')}")
+
+
+_RECV_PAST_ITS_DEADLINE = """
+import time, zmq
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+socket = zmq.Context().socket(zmq.SUB)
+socket.setsockopt_string(zmq.SUBSCRIBE, "")
+socket.bind("tcp://127.0.0.2:*")
+started = time.monotonic()
+try:
+    MessageQueue.recv(socket, {timeout})
+except TimeoutError:
+    print("TimeoutError after %.3f s" % (time.monotonic() - started))
+"""
+
+
+def test_a_socket_read_whose_time_is_up_raises_at_once() -> None:
+    """``MessageQueue.recv`` (a remote reader's dequeue, and a local one's overflow) with no time left,
+    as a caller that computes what remains of its deadline passes it, raises TimeoutError at once:
+    a negative timeout must not become ZMQ's -1, which waits for ever. Run in a child process (vLLM's
+    module, overlay included) with a bound, since the failure is a wait that never ends."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _RECV_PAST_ITS_DEADLINE.format(timeout=-0.5)],
+                          capture_output=True, text=True, timeout=30)
+    lines = proc.stdout.split()
+    assert lines[:1] == ["TimeoutError"], f"rc={proc.returncode}: {proc.stdout}{proc.stderr[-1500:]}"
+    assert float(lines[2]) < 1.0, f"recv(timeout=-0.5) raised after {lines[2]} s"
+
+
 def test_a_read_without_a_deadline_wakes_and_says_so_each_interval(broadcast_mode, monkeypatch) -> None:
     """``dequeue()`` with no timeout waits for as long as nothing comes, yet wakes once an interval
     (1 s here) to log vLLM's long-wait line, as a worker's log shows a stuck writer: over 4.5 s,

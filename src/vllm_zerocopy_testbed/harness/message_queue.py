@@ -59,6 +59,7 @@ class QueueTopology:
     local_readers: int = 1
     remote_readers: int = 0
     max_chunk_bytes: int = 24 * 1024 * 1024
+    max_chunks: int = 10  # MessageQueue's default; the ring is max_chunks x max_chunk_bytes of /dev/shm
     # Remote readers connect over TCP here; never 127.0.0.1, which Ray rewrites.
     remote_ip: str = "127.0.0.2"
     # vLLM 0.32's shared-memory tensor arena (local readers only: vLLM ignores it otherwise)
@@ -398,6 +399,7 @@ class MessageQueueHarness:
             n_local_reader=topo.local_readers,
             local_reader_ranks=list(range(1, topo.local_readers + 1)),
             max_chunk_bytes=topo.max_chunk_bytes,
+            max_chunks=topo.max_chunks,
             connect_ip=topo.remote_ip,
             **({"enable_shm_tensor_arena": True} if topo.arena else {}),
         )

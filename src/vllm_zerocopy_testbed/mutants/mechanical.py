@@ -88,9 +88,9 @@ _SPINLOOP_OFF = ("unreachable here: the spinloop branch runs only with VLLM_USE_
                  "in the testbed (a gap to close if the testbed ever enables the extension)")
 _AT_THE_INSTANT = ("differs only when the float seconds of time.monotonic() equal the bound exactly: the wait "
                    "loop checks again microseconds later, past it either way (the same warning or TimeoutError)")
-_MS_EARLY = ("the reader's deadline is kept to whole milliseconds (int() drops the fraction: vLLM itself gives up "
-             "up to 1 ms early); this gives up at most a millisecond sooner or later, and each wait, 0.1% shorter or "
-             "longer, is rechecked against the same deadline: the same TimeoutError at the same millisecond or the next")
+_MS_EARLY = ("a read's time is kept to whole milliseconds (int() drops the fraction: vLLM itself gives up up to 1 ms "
+             "early); this gives up a millisecond sooner or later, or 0.1% of the timeout (2.5 ms in 2.5 s, under a "
+             "poll's own jitter); a ring reader's wait is rechecked against the same deadline: the same TimeoutError")
 EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_*::spinloop(* -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::metadata_buffer[0 : self.local_reader_rank + 1], -> *": _SPINLOOP_OFF,
@@ -103,6 +103,23 @@ EQUIVALENT: dict[str, str] = {
     "* self.n_warning: -> if elapsed > VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:": _AT_THE_INSTANT,
     "shm_broadcast::SpinCondition.wait::if current_time <= self.last_read + self.busy_loop_s: -> "
     "if current_time < self.last_read + self.busy_loop_s:": _AT_THE_INSTANT,
+    "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.__init__::VLLM_RINGBUFFER_WARNING_INTERVAL * 1000 if "
+    "should_warn else None -> VLLM_RINGBUFFER_WARNING_INTERVAL * 999 if should_warn else None": (
+        "the idle reader wakes 1 ms per second before each interval's mark instead of at it: should_warn logs "
+        "line n at the first wake at or after n intervals, so each line comes one wake later, and the wait's "
+        "last wake (its message or its deadline) logs any line still due: the same lines over every wait"),
+    "shm_broadcast::MessageQueue.recv::timeout_ms = None if timeout is None else max(0, int(timeout * 1000)) -> "
+    "timeout_ms = None if timeout is None else max( 1, int(timeout * 1000))": (
+        "a socket read with no time left polls 1 ms instead of 0: the same TimeoutError a millisecond later, or "
+        "a message that came within that millisecond, as if it had come a millisecond sooner"),
+    "shm_broadcast::MessageQueue.recv::timeout_ms = None if timeout is None else max(0, int(timeout * 1000)) -> "
+    "timeout_ms = None if timeout is None else max(0, int(timeout * 99*))": _MS_EARLY,
+    "shm_broadcast::MessageQueue.recv::timeout_ms = None if timeout is None else max(0, int(timeout * 1000)) -> "
+    "timeout_ms = None if timeout is None else max(0, int(timeout * 1001))": _MS_EARLY,
+    "shm_broadcast::MessageQueue.dequeue::buf_count = from_bytes_big(buf[1:offset]) -> "
+    "buf_count = from_bytes_big(buf[ 0:offset])": (
+        "byte 0 is the overflow flag, 0 on this branch (`if not overflow`): the count read from bytes 0-2 is the "
+        "same number with a leading zero byte"),
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.should_warn::return False -> return None": (
         "its one caller (`acquire_read`) tests it for truth only, and None is as false as False"),
     "shm_broadcast::SpinCondition.*::logger.debug(* -> pass": (
@@ -153,6 +170,11 @@ OUT_OF_REACH: dict[str, str] = {
         "speed only: without the time of its last read a reader never busy-loops after a read, and each wait sleeps "
         "on the writer's notification: the same messages, each a wake-up later (`make check`'s speed step measures "
         "that; a CPU or latency bound inside a test would not survive a busy machine)"),
+    "shm_broadcast::MessageQueue.dequeue::all_buffers.append(buffer if i == 0 else bytearray(buffer)) -> "
+    "all_buffers.append(buffer if i == -1 else bytearray(buffer))": (
+        "speed only: the pickle stream is copied out of the ring like the out-of-band buffers, and pickle.loads "
+        "builds the same objects from a copy (none of them aliases the stream); the cost is one copy of the "
+        "stream, a few KiB for a scheduler output, which only `make check`'s speed step could see"),
     "shm_tensor_arena::ShmTensorArena.flush_releases::if self._deferred_releases: -> *": _CUDA_EVENT,
     "shm_tensor_arena::ShmTensorArena.flush_releases::if deferred_event.query(): -> *": _CUDA_EVENT,
     "shm_tensor_arena::ShmTensorArena.flush_releases::self._mark_released(idxs) -> pass": _CUDA_EVENT,
