@@ -133,7 +133,10 @@ def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interv
     from vllm.distributed.device_communicators import shm_broadcast
 
     monkeypatch.setattr(shm_broadcast, "VLLM_RINGBUFFER_WARNING_INTERVAL", 1)
-    monkeypatch.setattr(shm_broadcast.logger, "level", logging.INFO)
+    # setLevel, not the attribute: a logger caches isEnabledFor, and only setLevel clears that cache (an
+    # INFO check made earlier in the process at the effective WARNING would keep answering False).
+    level = shm_broadcast.logger.level
+    shm_broadcast.logger.setLevel(logging.INFO)
     waits = _LongWaitCounter(shm_broadcast.LONG_WAIT_TIME_LOG_MSG)
     shm_broadcast.logger.addHandler(waits)
     sent = [_message(i) for i in range(MAX_CHUNKS)]
@@ -168,6 +171,7 @@ def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interv
             _assert_in_order(harness, sent)
     finally:
         shm_broadcast.logger.removeHandler(waits)
+        shm_broadcast.logger.setLevel(level)
     assert waits.count == 2, f"{waits.count} long-wait lines in a 2.5 s wait with a 1 s interval (expected 2)"
 
 

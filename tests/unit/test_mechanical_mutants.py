@@ -401,6 +401,22 @@ def test_a_survivor_out_of_reach_here_says_why_and_the_others_read_unexplained()
     assert "`shm_broadcast::Q.f::x = 1 -> x = 2` (op, line 2, 0 tests)\n" in md
 
 
+def test_a_mutant_killed_though_argued_equivalent_is_named_with_its_failure() -> None:
+    """A kill of a mutant ``EQUIVALENT`` argues changes nothing is a flaky test or a wrong argument: the
+    report names it and its failure (seen: a writer test's long-wait count, 0 for 2, under a reader-only
+    mutant); a plain kill is not listed."""
+    argued = mechanical.Verdict("j", "vllm.x.shm_broadcast", "Q.f", "op", 1, "return False -> return None",
+                                mechanical.KILLED, killed_by="test_w", message="AssertionError: 0 lines",
+                                equivalent="None is as false")
+    plain = mechanical.Verdict("k", "vllm.x.shm_broadcast", "Q.f", "op", 2, "x = 1 -> x = 2", mechanical.KILLED,
+                               killed_by="test_v", message="boom")
+    md = mechanical.markdown({"summary": {}, "scores": mechanical.scores([argued, plain]),
+                              "mutants": [{**vars(x), "key": x.key} for x in (argued, plain)]})
+    assert "## Killed though argued equivalent" in md
+    assert "- `shm_broadcast::Q.f::return False -> return None`: by `test_w`: AssertionError: 0 lines" in md
+    assert "x = 1 -> x = 2" not in md.partition("## Killed though argued equivalent")[2]
+
+
 def test_a_survivor_stands_while_the_tests_of_its_lines_are_the_same(tmp_path: Path) -> None:
     """A test written for one function changes the map's key, but a survivor of another function whose
     lines the same tests (same files) ran keeps its verdict; a new test over its lines, or a change

@@ -715,7 +715,8 @@ def write_report(found: list[Verdict], out: Path, sessions: list[Session],
 
 
 def markdown(data: dict) -> str:
-    """The report drawn from ``mechanical.json``'s data: score per file and function, then every survivor."""
+    """The report drawn from ``mechanical.json``'s data: score per file and function, then every survivor,
+    and any mutant a test killed though ``EQUIVALENT`` argues it changes nothing (a flaky test shows so)."""
     s = data["summary"]
     lines = ["# make mutants FULL=1", "",
              ", ".join(f"{s.get(k, 0)} {k}" for k in (KILLED, SURVIVED, UNCOVERED, EQUIV, ERROR)) + ".", "",
@@ -738,6 +739,12 @@ def markdown(data: dict) -> str:
     equivalent = [m for m in data["mutants"] if m["fate"] == EQUIV]
     if equivalent:
         lines += ["", "## Equivalent (argued)", ""] + [f"- `{m['key']}`: {m['equivalent']}" for m in equivalent]
+    doubtful = [m for m in data["mutants"] if m["fate"] == KILLED and m.get("equivalent")]
+    if doubtful:
+        lines += ["", "## Killed though argued equivalent", "",
+                  "A test failed under a mutant argued to change nothing: the argument is wrong, or the test "
+                  "is flaky (it failed for another reason). Read the failure, then fix the one at fault.", ""]
+        lines += [f"- `{m['key']}`: by `{m['killed_by']}`: {m['message']}" for m in doubtful]
     errors = [m for m in data["mutants"] if m["fate"] == ERROR]
     if errors:
         lines += ["", "## Errors", ""] + [f"- `{m['key']}`: {m['message']}" for m in errors]
