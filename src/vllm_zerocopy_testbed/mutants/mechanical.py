@@ -113,7 +113,7 @@ EQUIVALENT: dict[str, str] = {
         "a socket read with no time left polls 1 ms instead of 0: the same TimeoutError a millisecond later, or "
         "a message that came within that millisecond, as if it had come a millisecond sooner"),
     "shm_broadcast::MessageQueue.recv::timeout_ms = None if timeout is None else max(0, int(timeout * 1000)) -> "
-    "timeout_ms = None if timeout is None else max(0, int(timeout * 99*))": _MS_EARLY,
+    "timeout_ms = None if timeout is None else max(0, int(timeout * 999))": _MS_EARLY,
     "shm_broadcast::MessageQueue.recv::timeout_ms = None if timeout is None else max(0, int(timeout * 1000)) -> "
     "timeout_ms = None if timeout is None else max(0, int(timeout * 1001))": _MS_EARLY,
     "shm_broadcast::MessageQueue.dequeue::buf_count = from_bytes_big(buf[1:offset]) -> "
@@ -131,7 +131,7 @@ EQUIVALENT: dict[str, str] = {
         "with 0 ms left the reader waits 0 ms once more and the next check raises: the same TimeoutError, "
         "microseconds later"),
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::time_left_ms = int((self.deadline - "
-    "time.monotonic()) * 1000) -> time_left_ms = int((self.deadline - time.monotonic()) * 99*)": _MS_EARLY,
+    "time.monotonic()) * 1000) -> time_left_ms = int((self.deadline - time.monotonic()) * 999)": _MS_EARLY,
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::time_left_ms = int((self.deadline - "
     "time.monotonic()) * 1000) -> time_left_ms = int((self.deadline - time.monotonic()) * 1001)": _MS_EARLY,
     "shm_broadcast::MessageQueue.ReadTimeoutWithWarnings.timeout_ms::if time_left_ms <= 0: -> "
