@@ -71,6 +71,24 @@ def test_messages_around_the_chunk_size_fit_the_ring_or_overflow(broadcast_mode)
             assert reports[1] == describe(payload), f"a {size}-byte stream (chunk {MiB}) arrived different"
 
 
+def test_a_slot_that_carried_an_overflow_carries_a_message_that_fits_next(broadcast_mode) -> None:
+    """A slot's first byte says whether its message went to the overflow socket; the writer sets it
+    for every message, since the slot keeps what its last message wrote. Two slots, each written
+    overflow, fits, overflow, fits in turn: a reader that found the last overflow's mark on a message
+    that fits would wait on the socket for a message never sent."""
+    chunk = 64 * 1024
+    topology = QueueTopology(local_readers=1, max_chunk_bytes=chunk, max_chunks=2)
+    with MessageQueueHarness(topology, broadcast_mode, timeout=5) as harness:
+        for lap in range(2):
+            for kind, size in (("overflow", 2 * chunk), ("fits", chunk // 4)):
+                for slot in range(topology.max_chunks):
+                    payload = {"blob": np.random.default_rng([lap, slot, size]).bytes(size)}
+                    report = harness.broadcast(payload)[1]
+                    assert report == describe(payload), (
+                        f"lap {lap}, slot {slot}: a message that {kind} arrived different: "
+                        f"{report.get(READ_ERROR, 'other bytes')}")
+
+
 @pytest.mark.parametrize(("topology", "delay", "lines"), [(QueueTopology(local_readers=1), 0.0, 2),
                                                          (QueueTopology(local_readers=1), 1.5, 2),
                                                          (QueueTopology(local_readers=0, remote_readers=1), 0.0, 0)],
