@@ -1,9 +1,11 @@
 """vLLM#35319 with real Ray compiled graphs on two loopback nodes.
 
-The actor runs on the second node (127.0.0.2) and returns real vLLM outputs;
-the driver (on the head, 127.0.0.3) reads them through vLLM's own
-``FutureWrapper.result`` and keeps them all, as the scheduler keeps logprobs; with two
-workers, as with a KV connector, through its ``KVOutputAggregator``.
+The actors run on the second node (127.0.0.2) and return real vLLM outputs;
+the driver (on the head, 127.0.0.3) reads them through vLLM's own executor
+(``RayDistributedExecutor._execute_dag``: the engine's read through ``FutureWrapper``
+and the blocking read, step by step in turn) and keeps them all, as the scheduler keeps
+logprobs; with two workers (TP), rank 0's output; with a KV connector, every worker's
+through vLLM's ``KVOutputAggregator``.
 A cluster serves tests until one stalls (or fails): after a stall, Ray's teardown
 crashes the remote raylet (``experimental_mutable_object_provider.cc ... Channel
 closed``), so the next test gets a fresh one. Reuse saves cluster starts, and a driver run
@@ -94,6 +96,13 @@ def test_every_worker_output_is_detached_before_the_kv_aggregator_merges_them(tw
     ``KVOutputAggregator`` merge them into rank 0's: the scheduler keeps that output, so a held
     array of it must not stall the next step, and what it gets is rank 0's tokens with both
     workers' finished KV sends counted."""
+    expect("detach_logprobs", detach_mode)
+    _assert_no_stall(_drive(two_nodes, detach_mode, "--workers=2", "--kv-connector"))
+
+
+def test_only_the_output_rank_s_output_reaches_the_scheduler(two_nodes, detach_mode, expect) -> None:
+    """Two workers of the last stage (TP=2) without a KV connector: vLLM's executor reads rank 0's
+    output alone (each worker marks its tokens with its rank) and detaches it, in both reads."""
     expect("detach_logprobs", detach_mode)
     _assert_no_stall(_drive(two_nodes, detach_mode, "--workers=2"))
 

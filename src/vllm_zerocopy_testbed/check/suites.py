@@ -58,6 +58,7 @@ COMPONENT_TESTS = (
     "tests/component/test_ray_detach.py::test_held_logprobs_never_stall_the_channel",
     "tests/component/test_ray_detach.py::test_held_sampling_masks_never_stall_the_channel",
     "tests/component/test_ray_detach.py::test_every_worker_output_is_detached_before_the_kv_aggregator_merges_them",
+    "tests/component/test_ray_detach.py::test_only_the_output_rank_s_output_reaches_the_scheduler",
     "tests/unit/test_broadcast_reducer.py::test_a_tensor_rebuilt_from_a_received_zmq_frame_aliases_it[upstream]",
     "tests/unit/test_broadcast_reducer.py::test_rebuilt_tensor_is_writable_and_aliases_only_writable_buffers[upstream]",
     "tests/unit/test_detach.py::test_every_read_only_array_is_copied_with_values_and_types_kept",

@@ -1,14 +1,15 @@
-"""Real vLLM outputs through a real Ray compiled graph, read the way vLLM's executor reads them.
+"""Real vLLM outputs through a real Ray compiled graph, read by vLLM's executor.
 
-An actor (pinned to a node by a custom resource) returns a ``ModelRunnerOutput``
-whose logprobs are numpy arrays. The driver reads each step through vLLM's
-``FutureWrapper.result`` — ``ray.get`` then the module's detach function, which
-the detach mode replaced — and keeps every output alive, as the scheduler keeps
-a request's logprobs. Without a detach the second read stalls until its bound.
+Actors (pinned to a node by a custom resource), one per worker of the last pipeline
+stage, return a ``ModelRunnerOutput`` whose logprobs are numpy arrays. The driver
+reads each step through vLLM's own ``RayDistributedExecutor._execute_dag`` — the
+engine's read (``non_block=True``: a ``FutureWrapper``, whose ``result`` detaches) on
+even steps, the blocking read (which detaches itself) on odd ones — and keeps every
+output alive, as the scheduler keeps a request's logprobs. Without a detach the
+second read stalls until its bound.
 
-With ``workers`` > 1 the graph is vLLM's executor with a KV connector: every worker
-returns an output, and ``FutureWrapper.result`` detaches each one before vLLM's
-``KVOutputAggregator`` merges them into rank 0's.
+Only rank 0's output reaches the scheduler. With a KV connector every worker's output
+is read and detached before vLLM's ``KVOutputAggregator`` merges them into rank 0's.
 """
 
 from __future__ import annotations
@@ -117,17 +118,17 @@ def _producer_class() -> Any:
 
             self.shape = shape
 
-        def step(self, step: int) -> Any:
-            return make_output(step, self.shape)
-
-        def step_as_worker(self, step: int, rank: int) -> Any:
-            """This worker's output with a KV connector: tokens marked by ``rank`` (rank 0's are
-            the ones the scheduler gets) and one request's KV sends finished on this worker."""
+        def execute_model(self, inputs: tuple[int, None], rank: int, kv_connector: bool) -> Any:
+            """This worker's output of step ``inputs[0]`` (the executor sends (scheduler output,
+            grammar output)): tokens marked by ``rank`` (rank 0's are the ones the scheduler gets);
+            with a KV connector, one request's KV sends finished on this worker."""
             from vllm.v1.outputs import KVConnectorOutput
 
+            step = inputs[0]
             output = make_output(step, self.shape)
             output.sampled_token_ids = [[step + 1000 * rank] for _ in output.req_ids]
-            output.kv_connector_output = KVConnectorOutput(finished_sending={_finished_req(step)})
+            if kv_connector:
+                output.kv_connector_output = KVConnectorOutput(finished_sending={_finished_req(step)})
             return output
 
     return OutputProducer
@@ -145,15 +146,20 @@ def run_compiled_graph(
     first_timeout: float = 120.0,
     step_timeout: float = 5.0,
     workers: int = 1,
+    kv_connector: bool = False,
 ) -> ChannelHistory:
     """Run ``steps`` steps through a compiled graph in the connected Ray; stop at the first error.
 
-    The caller has called ``ray.init``. ``node_resource`` pins the actors to the
-    node that advertises that custom resource (the remote node). ``workers`` > 1:
-    one actor per worker, read through vLLM's ``KVOutputAggregator``; a step whose
-    aggregate is not rank 0's output, or lacks a worker's finished KV send, ends
-    the run as ``WrongOutput``.
+    The caller has called ``ray.init`` and, for the blocking reads, set
+    ``RAY_CGRAPH_get_timeout`` (their only bound; ``step_timeout`` bounds the others).
+    ``node_resource`` pins the actors to the node that advertises that custom resource
+    (the remote node). ``workers``: one actor per worker of the last stage, a multi-output
+    graph as vLLM's. ``kv_connector``: read every worker's output through vLLM's
+    ``KVOutputAggregator``. A step whose output is not rank 0's, lacks a worker's finished
+    KV send, or comes back as the other read's type ends the run as ``WrongOutput``.
     """
+    from concurrent.futures import Future
+
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
@@ -161,43 +167,48 @@ def run_compiled_graph(
     # The actor's worker imports vLLM while this process does: on two cores each driver
     # run starts sooner than with the imports one after the other.
     actors = [_producer_class().options(**options).remote(shape) for _ in range(workers)]
-    from vllm.v1.executor import ray_utils
+    from vllm.v1.executor.ray_executor import RayDistributedExecutor
 
     detach.apply(mode)
     with InputNode() as inp:
-        if workers == 1:
-            dag = actors[0].step.bind(inp)
-        else:
-            dag = MultiOutputNode([a.step_as_worker.bind(inp, rank) for rank, a in enumerate(actors)])
-    aggregator = None
-    if workers > 1:
+        dag = MultiOutputNode([a.execute_model.bind(inp, rank, kv_connector) for rank, a in enumerate(actors)])
+    # vLLM's executor, given only what its read of a step uses: the compiled graph (built here from
+    # these actors, as vLLM builds it from its workers), whether a KV connector is configured, and
+    # its aggregator. Its __init__ would start vLLM's workers.
+    executor = RayDistributedExecutor.__new__(RayDistributedExecutor)
+    executor.forward_dag = dag.experimental_compile()
+    executor.has_connector = kv_connector
+    executor.kv_output_aggregator = None
+    if kv_connector:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-        aggregator = KVOutputAggregator(expected_finished_count=workers)
-    compiled = dag.experimental_compile()
+        executor.kv_output_aggregator = KVOutputAggregator(expected_finished_count=workers)
     history = ChannelHistory(mode)
     kept: list[Any] = []  # outputs stay referenced, as the scheduler keeps them
     try:
         for step in range(steps):
             start = time.monotonic()
+            non_block = step % 2 == 0
             try:
-                ref = compiled.execute(step)
-                future = ray_utils.FutureWrapper(ref, aggregator) if aggregator else ray_utils.FutureWrapper(ref)
-                output = future.result(timeout=first_timeout if step == 0 else step_timeout)
+                read = executor._execute_dag(step, None, non_block=non_block)
+                if non_block and isinstance(read, Future):
+                    output = read.result(timeout=first_timeout if step == 0 else step_timeout)
+                else:
+                    output = None if non_block or isinstance(read, Future) else read
             except Exception as exc:  # RayChannelTimeoutError and friends
                 history.steps.append(StepRecord(step, time.monotonic() - start, type(exc).__name__))
                 break
             kept.append(output)
             history.steps.append(StepRecord(step, time.monotonic() - start))
             if output is None or output.sampled_token_ids[0] != [step] or (
-                aggregator and output.kv_connector_output.finished_sending != {_finished_req(step)}
+                kv_connector and output.kv_connector_output.finished_sending != {_finished_req(step)}
             ):
                 history.steps[-1].error = "WrongOutput"
                 break
     finally:
         kept.clear()
         try:
-            compiled.teardown()
+            executor.forward_dag.teardown()
         except Exception as exc:
             logger.warning("compiled graph teardown: %s", exc)
         for actor in actors:
@@ -226,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=0)
     parser.add_argument("--sampling-mask", action="store_true")
     parser.add_argument("--step-timeout", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=1,
-                        help="> 1: one actor per worker, read through vLLM's KV-output aggregator")
+    parser.add_argument("--workers", type=int, default=1, help="workers of the last stage (TP): one actor each")
+    parser.add_argument("--kv-connector", action="store_true",
+                        help="read every worker's output through vLLM's KV-output aggregator")
     args = parser.parse_args(argv)
 
     import ray
@@ -240,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         node_resource=args.node_resource,
         step_timeout=args.step_timeout,
         workers=args.workers,
+        kv_connector=args.kv_connector,
     )
     print(json.dumps({"mode": history.mode.value, "steps": [dataclasses.asdict(s) for s in history.steps]}))
     sys.stdout.flush()

@@ -187,10 +187,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "                output = refs[0].get()\n                detach_zero_copy_from_model_runner_output(output)",
            "                output = refs[0].get()",
            "the compiled-graph executor's blocking read (non_block=False) no longer detaches",
-           (DETACH_UNIT,), "upstream",
-           equivalent="unreachable from a served engine: vLLM 0.32's EngineCore calls execute_model and "
-           "sample_tokens with non_block=True in both step functions (v1/engine/core.py), so the executor "
-           "always returns a FutureWrapper, whose result() detaches (mutant future-skips-detach is killed)"),
+           (RAY_DETACH + "::test_held_logprobs_never_stall_the_channel",), "upstream"),
     # --- the testbed's broadcast patch, run under `testbed` --------------------------------
     # --- the testbed's arena patch, run under `testbed` -------------------------------------
     Mutant("testbed-arena-maps-the-slot-shared", ARENA,
