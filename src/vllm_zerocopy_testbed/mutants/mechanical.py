@@ -158,8 +158,21 @@ _X86_ORDER = ("the fence orders stores for weakly ordered CPUs; x86-64 never reo
               "one) would")
 _CUDA_EVENT = ("the release waits on the CUDA event of a pinned host-to-device copy: the branch runs only on a CUDA "
                "host, and no GPU was lent (the GPU profile: `scripts/gpu-smoke.sh`)")
+_CUDA_PIN = ("the arena's pages are registered with CUDA (cudaHostRegister) on a CUDA host only; elsewhere the call "
+             "returns at once, so without it the same tensors arrive; on a GPU host each host-to-device copy of an arena "
+             "tensor would be pageable, slower only, which no test here could see either")
 OUT_OF_REACH: dict[str, str] = {
     "*::memory_fence() -> pass": _X86_ORDER,
+    "ray_executor::RayDistributedExecutor._execute_dag::self.forward_dag = self._compiled_ray_dag(enable_asyncio=False)"
+    " -> self.forward_dag = self._compiled_ray_dag(enable_asyncio=True)": (
+        "the executor builds its graph at its first step from the Ray workers its __init__ started (vLLM's "
+        "model workers); the component tests give it a graph built from their own actors, so the build never "
+        "runs here: only an engine served over Ray (e2e) builds it"),
+    "shm_tensor_arena::ShmTensorArena.get_tensor::self._ensure_pinned() -> pass": _CUDA_PIN,
+    # The pin and its undoing: past the once-only flag, every statement is inside `try: ... except Exception` (or
+    # `suppress(Exception)`) behind `is_cuda_alike()`, so a mutant here changes at most an INFO line off CUDA.
+    "shm_tensor_arena::ShmTensorArena._ensure_pinned::*": _CUDA_PIN,
+    "shm_tensor_arena::ShmTensorArena._unpin::*": _CUDA_PIN,
     "shm_broadcast::SpinCondition.wait::sched_yield() -> pass": (
         "speed only, and only on an oversubscribed host: a reader in its busy loop holds its core either way; "
         "sched_yield gives it away only when another thread waits for that core"),
