@@ -222,6 +222,31 @@ def test_a_slot_is_reused_only_after_every_reader_freed_it(harness_for, arena_mo
     assert reports[2]["0/x"] == describe_item(held["x"]), "reader 2's tensor was overwritten: its slot was reused"
 
 
+@pytest.mark.parametrize("keeper", [1, 2])
+def test_a_slot_written_again_waits_for_every_reader_anew(harness_for, arena_mode, keeper) -> None:
+    """A slot every reader freed is written again: each reader's done flag must be cleared, not only
+    the first's. Every slot goes round once (all freed), then one tensor is kept by ``keeper`` and
+    freed by the other reader while eight more are sent and kept: seven free slots, then the pickle
+    path; the kept tensor's slot must not be reused."""
+    _lifecycle(arena_mode)
+    other = 3 - keeper
+    with harness_for(keep=True) as harness:
+        written = _count_arena_writes(harness)
+        for index in range(SLOTS):
+            harness.broadcast({"x": _tensor(8 * MiB, seed=300 + index)})
+        harness.control("drop-all", 0)
+        harness.broadcast({"tick": torch.zeros(1)})  # message SLOTS: the drops are retired at this read
+        held = {"x": _tensor(16 * MiB, seed=400 + keeper)}
+        harness.broadcast(held)  # message SLOTS + 1
+        harness.control("drop", SLOTS + 1, rank=other)
+        for index in range(SLOTS):
+            harness.broadcast({"x": _tensor(8 * MiB, seed=500 + index)})
+        reports = harness.recheck()
+    assert reports[keeper][f"{SLOTS + 1}/x"] == describe_item(held["x"]), (
+        f"reader {keeper}'s tensor was overwritten: its slot was reused once reader {other} freed it")
+    _assert_through_arena(written, 2 * SLOTS)
+
+
 def test_a_reader_that_dies_releases_nothing_it_held(harness_for, arena_mode, expect) -> None:
     """Reader 2 is killed holding a tensor; reader 1 frees its own: the slot stays taken (no reader
     can say the dead one is done), and the writer's next tensors go elsewhere."""
