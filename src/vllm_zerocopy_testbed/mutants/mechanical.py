@@ -91,6 +91,10 @@ _AT_THE_INSTANT = ("differs only when the float seconds of time.monotonic() equa
 _MS_EARLY = ("a read's time is kept to whole milliseconds (int() drops the fraction: vLLM itself gives up up to 1 ms "
              "early); this gives up a millisecond sooner or later, or 0.1% of the timeout (2.5 ms in 2.5 s, under a "
              "poll's own jitter); a ring reader's wait is rechecked against the same deadline: the same TimeoutError")
+_ARENA_CLAIM = ("the claim (written flag 0 while the bytes are copied) matters only if the copy raised between it "
+                "and the publish, which sets the reader flags to 0 and the written flag to 1 whatever the claim left: "
+                "one writer thread, readers never read the written flag, and a copy of nbytes uint8 into a view of "
+                "nbytes (both checked against the slot before) cannot raise")
 EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_*::spinloop(* -> *": _SPINLOOP_OFF,
     "shm_broadcast::MessageQueue.acquire_read::metadata_buffer[0 : self.local_reader_rank + 1], -> *": _SPINLOOP_OFF,
@@ -145,6 +149,15 @@ EQUIVALENT: dict[str, str] = {
     "shm_broadcast::MessageQueue.acquire_write::metadata_buffer[0] = 1 -> metadata_buffer[0] = 2": (
         "the written flag is only tested for truth (both checks: `written_flag and ...`, `not written_flag`), and "
         "2 is as true as 1; the spinloop extension that reads the flags natively is off (VLLM_USE_SPINLOOP_EXT)"),
+    "shm_tensor_arena::ShmTensorArena.write_tensor::idx = (self._next_slot + probe) % self.n_slots -> "
+    "idx = (self._next_slot - probe) % self.n_slots": (
+        "the probe order only decides which free slot a tensor takes: every probe checks that slot's own flags "
+        "before claiming it, and the message names the slot it took; the first probe (the slot after the last "
+        "write) is the same either way"),
+    "shm_tensor_arena::ShmTensorArena.write_tensor::meta[0] = 0  # claim -> *": _ARENA_CLAIM,
+    "shm_tensor_arena::ShmTensorArena.write_tensor::slot_mv.release() -> pass": (
+        "CPython frees the slot's memoryview (and the tensor over it) when write_tensor returns, a few statements "
+        "later; nothing closes the mapping in between, so no BufferError and no other effect"),
     "shm_broadcast::MessageQueue.enqueue.oob_callback::return False -> return None": (
         "pickle keeps a buffer out of band when buffer_callback returns any false value (the pickle module's "
         "documentation of Pickler's buffer_callback: 'a false value (such as None)'): the same stream"),
