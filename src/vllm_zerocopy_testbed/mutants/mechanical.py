@@ -155,6 +155,16 @@ EQUIVALENT: dict[str, str] = {
         "before claiming it, and the message names the slot it took; the first probe (the slot after the last "
         "write) is the same either way"),
     "shm_tensor_arena::ShmTensorArena.write_tensor::meta[0] = 0  # claim -> *": _ARENA_CLAIM,
+    "shm_tensor_arena::ShmTensorArena.write_tensor::self._next_slot = (idx + 1) % self.n_slots -> *": (
+        "where the next write starts probing only decides which free slot it takes: every probe checks that "
+        "slot's own flags before claiming it, and the message names the slot it took"),
+    "shm_tensor_arena::ShmTensorArena.write_tensor::meta[0] = 1 -> meta[0] = 2": (
+        "the written flag is only compared with 0 (`meta[0] == 0` in the writer's check; readers never read it): "
+        "2 is as written as 1"),
+    "shm_tensor_arena::ShmTensorArena.write_tensor::for i in range(1, self.n_reader + 1): -> "
+    "for i in range( 0, self.n_reader + 1):": (
+        "index 0 is the written flag, claimed as 0 before the copy and set to 1 right after this loop: clearing it "
+        "once more in between writes the value it already holds (one writer; readers never read it)"),
     "shm_tensor_arena::ShmTensorArena.write_tensor::slot_mv.release() -> pass": (
         "CPython frees the slot's memoryview (and the tensor over it) when write_tensor returns, a few statements "
         "later; nothing closes the mapping in between, so no BufferError and no other effect"),
