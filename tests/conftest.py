@@ -64,6 +64,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
+def log_lines():
+    """``log_lines(logger)``: a list of the messages ``logger`` emits from then on, at INFO and above,
+    growing as it logs (from any thread); the logger's level and handlers are restored after the test.
+    The level is set with setLevel: a logger caches ``isEnabledFor``, only setLevel clears that cache,
+    and an INFO check made earlier in the process (at the effective WARNING) would keep answering False."""
+    import logging
+
+    attached: list[tuple[logging.Logger, logging.Handler, int]] = []
+
+    def capture(logger: logging.Logger) -> list[str]:
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        attached.append((logger, handler, logger.level))
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        return lines
+
+    yield capture
+    for logger, handler, level in reversed(attached):
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture
 def expect(request: pytest.FixtureRequest):
     """``expect(property, mode)``: mark the test a strict xfail where ``mode`` is known to fail."""
 

@@ -9,7 +9,6 @@ order, so a message overwritten, skipped or read twice shows as a wrong digest a
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from vllm_zerocopy_testbed.harness.message_queue import (READ_ERROR, RECEIVED_AT, MessageQueueHarness,
-                                                         QueueTopology, _LongWaitCounter, describe)
+                                                         QueueTopology, describe)
 from vllm_zerocopy_testbed.patches.broadcast import OOB_MIN_BYTES
 
 pytestmark = [pytest.mark.component, pytest.mark.timeout(240)]
@@ -125,54 +124,46 @@ def test_an_idle_reader_sleeps_once_its_busy_loop_is_over(broadcast_mode, monkey
     assert used < 0.5, f"an idle reader used {used:.2f} s of CPU in 3 s past its busy loop"
 
 
-def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interval(broadcast_mode,
-                                                                                  monkeypatch) -> None:
+def test_a_writer_at_a_full_ring_gives_up_at_its_timeout_and_says_so_each_interval(broadcast_mode, monkeypatch,
+                                                                                  log_lines) -> None:
     """Readers stopped, ring full: ``enqueue(timeout=2.5)`` raises TimeoutError after 2.5 s, having
     logged vLLM's long-wait line once a second (the interval set to 1 s): twice. Nothing was written,
     so the readers get the ten messages in the ring and no more once they go on."""
     from vllm.distributed.device_communicators import shm_broadcast
 
     monkeypatch.setattr(shm_broadcast, "VLLM_RINGBUFFER_WARNING_INTERVAL", 1)
-    # setLevel, not the attribute: a logger caches isEnabledFor, and only setLevel clears that cache (an
-    # INFO check made earlier in the process at the effective WARNING would keep answering False).
-    level = shm_broadcast.logger.level
-    shm_broadcast.logger.setLevel(logging.INFO)
-    waits = _LongWaitCounter(shm_broadcast.LONG_WAIT_TIME_LOG_MSG)
-    shm_broadcast.logger.addHandler(waits)
+    logged = log_lines(shm_broadcast.logger)
     sent = [_message(i) for i in range(MAX_CHUNKS)]
     outcome: list[BaseException | None] = []
-    try:
-        with MessageQueueHarness(QueueTopology(local_readers=1, max_chunk_bytes=4 * MiB), broadcast_mode,
-                                 timeout=60) as harness:
-            harness.pause_readers()
-            try:
-                for payload in sent:
-                    harness.send(payload)
+    with MessageQueueHarness(QueueTopology(local_readers=1, max_chunk_bytes=4 * MiB), broadcast_mode,
+                             timeout=60) as harness:
+        harness.pause_readers()
+        try:
+            for payload in sent:
+                harness.send(payload)
 
-                def one_more() -> None:
-                    try:
-                        harness.writer.enqueue(_message(MAX_CHUNKS), timeout=2.5)
-                        outcome.append(None)
-                    except BaseException as exc:  # the test reports it below
-                        outcome.append(exc)
+            def one_more() -> None:
+                try:
+                    harness.writer.enqueue(_message(MAX_CHUNKS), timeout=2.5)
+                    outcome.append(None)
+                except BaseException as exc:  # the test reports it below
+                    outcome.append(exc)
 
-                started = time.monotonic()
-                writer = threading.Thread(target=one_more, name="testbed-writer-full-ring", daemon=True)
-                writer.start()
-                writer.join(timeout=20)
-                waited = time.monotonic() - started
-            finally:
-                harness.resume_readers()
-            writer.join(timeout=20)  # a writer that never gave up writes once the readers go on
-            assert outcome and isinstance(outcome[0], TimeoutError), (
-                f"enqueue(timeout=2.5) at a full ring: {outcome[0]!r} after {waited:.1f} s" if outcome else
-                f"enqueue(timeout=2.5) at a full ring still waited after {waited:.1f} s")
-            assert 2.4 <= waited < 10, f"enqueue(timeout=2.5) gave up after {waited:.2f} s"
-            _assert_in_order(harness, sent)
-    finally:
-        shm_broadcast.logger.removeHandler(waits)
-        shm_broadcast.logger.setLevel(level)
-    assert waits.count == 2, f"{waits.count} long-wait lines in a 2.5 s wait with a 1 s interval (expected 2)"
+            started = time.monotonic()
+            writer = threading.Thread(target=one_more, name="testbed-writer-full-ring", daemon=True)
+            writer.start()
+            writer.join(timeout=20)
+            waited = time.monotonic() - started
+        finally:
+            harness.resume_readers()
+        writer.join(timeout=20)  # a writer that never gave up writes once the readers go on
+        assert outcome and isinstance(outcome[0], TimeoutError), (
+            f"enqueue(timeout=2.5) at a full ring: {outcome[0]!r} after {waited:.1f} s" if outcome else
+            f"enqueue(timeout=2.5) at a full ring still waited after {waited:.1f} s")
+        assert 2.4 <= waited < 10, f"enqueue(timeout=2.5) gave up after {waited:.2f} s"
+        _assert_in_order(harness, sent)
+    waits = sum(line.startswith(shm_broadcast.LONG_WAIT_TIME_LOG_MSG.split("%")[0]) for line in logged)
+    assert waits == 2, f"{waits} long-wait lines in a 2.5 s wait with a 1 s interval (expected 2)"
 
 
 def test_a_reader_idle_past_its_busy_loop_wakes_at_the_next_message(broadcast_mode) -> None:

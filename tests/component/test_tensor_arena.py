@@ -188,39 +188,27 @@ def test_a_view_of_a_view_keeps_the_slot(harness_for, arena_mode) -> None:
         assert report["0/x"].digest == describe_item(view_of_view(tensor)).digest, f"reader {rank}'s view changed"
 
 
-def test_a_full_arena_falls_back_without_loss(harness_for, arena_mode, expect) -> None:
+def test_a_full_arena_falls_back_without_loss(harness_for, arena_mode, expect, log_lines) -> None:
     """Ten tensors kept by every reader: eight fill the slots, two take the pickle path, none is lost.
     The first fallback logs vLLM's INFO line (then every 100th): one line for the two."""
-    import logging
-
     from vllm.distributed.device_communicators import shm_tensor_arena
 
     _lifecycle(arena_mode)
     payloads = [{"x": _tensor(8 * MiB, seed=i)} for i in range(SLOTS + 2)]
-    fallbacks: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: fallbacks.append(record.getMessage())  # type: ignore[method-assign]
-    level = shm_tensor_arena.logger.level
-    # setLevel, not the attribute: only setLevel clears a logger's cached isEnabledFor.
-    shm_tensor_arena.logger.setLevel(logging.INFO)
-    shm_tensor_arena.logger.addHandler(handler)
-    try:
-        with harness_for(keep=True) as harness:
-            written = _count_arena_writes(harness)
-            for payload in payloads:
-                harness.broadcast(payload)
-            _assert_through_arena(written, SLOTS)
-            lines = [line for line in fallbacks if "no free slot" in line]
-            assert len(lines) == 1 and "1 fallbacks so far" in lines[0], (
-                f"two fallbacks to the pickle path logged {lines}; expected the first's line alone")
-            reports = harness.recheck()
-            for index in range(len(payloads)):
-                harness.control("drop", index)
-            harness.broadcast({"x": _tensor(8 * MiB, seed=50)})  # the slots are free again
-            _assert_through_arena(written, SLOTS + 1)
-    finally:
-        shm_tensor_arena.logger.removeHandler(handler)
-        shm_tensor_arena.logger.setLevel(level)
+    logged = log_lines(shm_tensor_arena.logger)
+    with harness_for(keep=True) as harness:
+        written = _count_arena_writes(harness)
+        for payload in payloads:
+            harness.broadcast(payload)
+        _assert_through_arena(written, SLOTS)
+        lines = [line for line in logged if "no free slot" in line]
+        assert len(lines) == 1 and "1 fallbacks so far" in lines[0], (
+            f"two fallbacks to the pickle path logged {lines}; expected the first's line alone")
+        reports = harness.recheck()
+        for index in range(len(payloads)):
+            harness.control("drop", index)
+        harness.broadcast({"x": _tensor(8 * MiB, seed=50)})  # the slots are free again
+        _assert_through_arena(written, SLOTS + 1)
     for rank, report in reports.items():
         for index, payload in enumerate(payloads):
             assert report[f"{index}/x"] == describe_item(payload["x"]), f"reader {rank} lost message {index}"

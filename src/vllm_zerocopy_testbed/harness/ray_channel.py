@@ -191,10 +191,12 @@ def run_compiled_graph(
             non_block = step % 2 == 0
             try:
                 read = executor._execute_dag(step, None, non_block=non_block)
-                if non_block and isinstance(read, Future):
+                if isinstance(read, Future) != non_block:
+                    output = None  # the other read's type: WrongOutput
+                elif non_block:
                     output = read.result(timeout=first_timeout if step == 0 else step_timeout)
                 else:
-                    output = None if non_block or isinstance(read, Future) else read
+                    output = read
             except Exception as exc:  # RayChannelTimeoutError and friends
                 history.steps.append(StepRecord(step, time.monotonic() - start, type(exc).__name__))
                 break

@@ -91,6 +91,9 @@ _AT_THE_INSTANT = ("differs only when the float seconds of time.monotonic() equa
 _MS_EARLY = ("a read's time is kept to whole milliseconds (int() drops the fraction: vLLM itself gives up up to 1 ms "
              "early); this gives up a millisecond sooner or later, or 0.1% of the timeout (2.5 ms in 2.5 s, under a "
              "poll's own jitter); a ring reader's wait is rechecked against the same deadline: the same TimeoutError")
+_ANY_FREE_SLOT = ("the order of the probes, and where the next write starts them, only decide which free slot a "
+                  "tensor takes: every probe checks that slot's own flags before claiming it, and the message names "
+                  "the slot it took")
 _ARENA_CLAIM = ("the claim (written flag 0 while the bytes are copied) matters only if the copy raised between it "
                 "and the publish, which sets the reader flags to 0 and the written flag to 1 whatever the claim left: "
                 "one writer thread, readers never read the written flag, and a copy of nbytes uint8 into a view of "
@@ -150,14 +153,9 @@ EQUIVALENT: dict[str, str] = {
         "the written flag is only tested for truth (both checks: `written_flag and ...`, `not written_flag`), and "
         "2 is as true as 1; the spinloop extension that reads the flags natively is off (VLLM_USE_SPINLOOP_EXT)"),
     "shm_tensor_arena::ShmTensorArena.write_tensor::idx = (self._next_slot + probe) % self.n_slots -> "
-    "idx = (self._next_slot - probe) % self.n_slots": (
-        "the probe order only decides which free slot a tensor takes: every probe checks that slot's own flags "
-        "before claiming it, and the message names the slot it took; the first probe (the slot after the last "
-        "write) is the same either way"),
+    "idx = (self._next_slot - probe) % self.n_slots": _ANY_FREE_SLOT,
     "shm_tensor_arena::ShmTensorArena.write_tensor::meta[0] = 0  # claim -> *": _ARENA_CLAIM,
-    "shm_tensor_arena::ShmTensorArena.write_tensor::self._next_slot = (idx + 1) % self.n_slots -> *": (
-        "where the next write starts probing only decides which free slot it takes: every probe checks that "
-        "slot's own flags before claiming it, and the message names the slot it took"),
+    "shm_tensor_arena::ShmTensorArena.write_tensor::self._next_slot = (idx + 1) % self.n_slots -> *": _ANY_FREE_SLOT,
     "shm_tensor_arena::ShmTensorArena.write_tensor::meta[0] = 1 -> meta[0] = 2": (
         "the written flag is only compared with 0 (`meta[0] == 0` in the writer's check; readers never read it): "
         "2 is as written as 1"),
